@@ -1,0 +1,144 @@
+// ca_core.h — the types shared by ca_core's translation units: one backward's
+// walked state (BackwardState/NodeState), the shadow-graph cache entry
+// (ShadowNode) and each component's register_x() entry point.
+#pragma once
+
+#include <nanobind/nanobind.h>
+
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/graph_task.h>
+#include <torch/csrc/dynamo/compiled_autograd.h>
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace ca {
+
+namespace nb = nanobind;
+using torch::autograd::Node;
+using torch::autograd::variable_list;
+using torch::dynamo::autograd::AutogradCompilerCall;
+using torch::dynamo::autograd::CacheKey;
+using torch::dynamo::autograd::CacheKeyBuffer;
+using torch::dynamo::autograd::NodeCall;
+using torch::dynamo::autograd::SizeInput;
+
+/*
+[Note: Per-node collection]
+torch's compiled autograd collects every node of a backward into one
+AutogradCompilerCall. We give each node its own AutogradCompilerCall instead.
+Its tensor_args, all_size_inputs and lifted_ivalue_args then hold exactly the
+values *this* node lifted, in the order its compiled_args visited them, which is
+the order SwapSavedVariables consumes them in apply_with_saved. That is what
+lets apply_with_saved(node, inputs, saved_tensors, saved_sizes, saved_scalars)
+take a node's saved values explicitly (the seed-001 swap) without patching
+torch's header. The price is that torch's edge ids (node_calls) would be local
+to the node, so the walk writes its own graph-wide node ids for every next edge
+into the key; see [Note: Cache key].
+*/
+
+/// One visited node of the backward being run, in walk order.
+struct NodeState {
+  NodeState(uint32_t id, c10::intrusive_ptr<Node> node)
+      : call(id, std::move(node)) {}
+  /// torch's NodeCall: the node, its hooks and graph outputs, `needed`.
+  NodeCall call;
+  /// This node's lifted tensors, sizes and scalars; see [Note: Per-node collection].
+  std::unique_ptr<AutogradCompilerCall> collected;
+  /// How many of collected->all_size_inputs compiled_args visited; the rest
+  /// belong to the next edges' input metadata (validate_outputs).
+  uint32_t num_apply_sizes = 0;
+  /// True for AccumulateGrad: applied after the compiled graph, not traced.
+  bool is_accumulate_grad = false;
+};
+
+struct ShadowNode;
+
+/// Everything the walk of one backward produced; alive for that backward.
+struct BackwardState {
+  /// Visited nodes in eager's execution order.
+  std::vector<NodeState> nodes;
+  /// Walk index of each visited node.
+  std::unordered_map<Node*, uint32_t> walk_index;
+  /// Number of values the engine expects back (torch.autograd.grad outputs).
+  size_t num_outputs = 0;
+  /// The cache entry the walk ended at.
+  ShadowNode* entry = nullptr;
+  /// graph_task.keep_graph_: keep saved variables after the backward.
+  bool keep_graph = false;
+  /// Whether leaf grads are accumulated (backward) or returned (grad).
+  bool accumulate_grad = true;
+  /// Grad mode of the backward (create_graph=True).
+  bool create_graph = false;
+};
+
+/// A node of the shadow-graph cache: one edge per distinct CacheKey.
+struct ShadowNode {
+  /// Children keyed by the next node's key; see [Note: Cache key].
+  std::unordered_map<CacheKey, std::unique_ptr<ShadowNode>> next;
+  /// Owns the bytes the keys of `next` point to.
+  std::vector<CacheKeyBuffer> key_storage;
+  /// Size inputs seen at capture; a differing size is a miss.
+  std::vector<int64_t> expected_sizes;
+  /// The compiled backward, or null before the first capture.
+  nb::object compiled_fn;
+  /// Capture or first run failed here: later backwards go eager at once.
+  bool failed = false;
+  /// The compiled function has not completed a run yet.
+  bool first_run = true;
+  /// Backwards served by compiled_fn.
+  uint64_t hits = 0;
+
+  ShadowNode* lookup(const CacheKey& key);
+  void clear();
+};
+
+/// Process-wide cache root. Guarded by the GIL: see [Note: Cache and the GIL].
+ShadowNode& cache_root();
+/// Bumped by clear_cache(); an in-flight capture that sees it change drops its result.
+uint64_t cache_generation();
+
+/// Walks the graph of `graph_task` from `root` in eager's order, computing
+/// every node's key and lifted values. Throws what compiled_args throws.
+std::unique_ptr<BackwardState> walk_graph(
+    const c10::intrusive_ptr<Node>& root,
+    const torch::autograd::GraphTask& graph_task,
+    const torch::autograd::edge_list& output_edges);
+
+/// Demangled C++ type of a node ("torch::autograd::generated::MulBackward0").
+std::string node_type_name(const Node& node);
+
+/// The backward whose compiled graph is running on this thread (or null).
+BackwardState*& active_backward();
+
+/// The ca_runtime object while the engine hook is installed (borrowed), else null.
+PyObject* installed_runtime();
+
+/// Installs ca_core's PyCompilerInterface for a scope, so that nodes'
+/// apply_with_saved run their functional backward on the values given.
+struct InterfaceScope {
+  InterfaceScope();
+  ~InterfaceScope();
+  InterfaceScope(const InterfaceScope&) = delete;
+  InterfaceScope& operator=(const InterfaceScope&) = delete;
+
+ private:
+  /// torch's guard (swaps the process-wide interface), behind a pointer so
+  /// this header needs no definition of it.
+  std::unique_ptr<torch::dynamo::autograd::PyCompilerGuard> guard_;
+};
+
+/// Builds the Python description of a walked backward handed to capture().
+nb::object describe_backward(const BackwardState& state);
+
+// Component registration; module.cpp calls each once.
+void register_engine_hook(nb::module_& m);
+void register_graph_walk(nb::module_& m);
+void register_node_apply(nb::module_& m);
+void register_compiler_interface(nb::module_& m);
+
+} // namespace ca

@@ -1,0 +1,185 @@
+// compiler_interface.cpp — ca_core's PyCompilerInterface: receives the
+// functional backward each generated node binds, keeps them in a registry,
+// and runs them (and CopySlices' prologue/epilogue) on the values given.
+#include "ca_core.h"
+
+#include <ATen/ATen.h>
+
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <mutex>
+
+namespace ca {
+
+using torch::autograd::functional_apply_t;
+using torch::autograd::ivalue_list;
+using torch::dynamo::autograd::PyCompilerGuard;
+using torch::dynamo::autograd::PyCompilerInterface;
+
+/*
+[Note: Functional registry]
+In torch 2.13 a generated node's apply_with_saved does not compute the grad
+itself: the first time per process it hands its functional backward to the
+installed PyCompilerInterface (bind_function), and on every call it asks the
+interface to run it (call_function(name, grads, packed_args)). The registry
+below keeps every functional we were handed, by name. CppNode (C++
+torch::autograd::Function) binds on every call, so its entry is refreshed each
+time, together with its is_traceable flag.
+*/
+
+namespace {
+
+/// One functional backward handed to us by bind_function.
+struct Functional {
+  /// The node's backward as a function of (grads, packed saved values).
+  functional_apply_t fn;
+  /// Types of the packed saved values.
+  std::vector<at::TypePtr> schema;
+  /// Bound by a C++ torch::autograd::Function (CppNode).
+  bool is_custom_function = false;
+  /// False for a CppNode whose T::is_traceable is false.
+  bool is_traceable = true;
+};
+
+struct Registry {
+  std::mutex mutex;
+  std::unordered_map<std::string, Functional> functionals;
+};
+
+Registry& registry() {
+  static Registry* r = new Registry(); // leaked: used until process exit
+  return *r;
+}
+
+class CaCompilerInterface final : public PyCompilerInterface {
+ public:
+  std::string bind_function(
+      PyObject* /*py_compiler*/,
+      const std::string& fn_name,
+      functional_apply_t fn,
+      std::vector<at::TypePtr> packed_args_schema,
+      bool is_custom_function,
+      bool is_traceable) const override {
+    auto& r = registry();
+    std::lock_guard<std::mutex> lock(r.mutex);
+    r.functionals.insert_or_assign(
+        fn_name,
+        Functional{
+            std::move(fn),
+            std::move(packed_args_schema),
+            is_custom_function,
+            is_traceable});
+    return fn_name;
+  }
+
+  variable_list call_function(
+      PyObject* /*py_compiler*/,
+      const char* /*method_name*/,
+      const std::string& fn_name,
+      const variable_list& inputs,
+      const ivalue_list& packed_args,
+      const c10::IValue& /*output_metadata*/) const override {
+    functional_apply_t fn;
+    {
+      auto& r = registry();
+      std::lock_guard<std::mutex> lock(r.mutex);
+      auto it = r.functionals.find(fn_name);
+      TORCH_CHECK_NOT_IMPLEMENTED(
+          it != r.functionals.end(),
+          "ca_core: the functional backward of ",
+          fn_name,
+          " was never bound in this process (another compiled autograd "
+          "received it first)");
+      fn = it->second.fn;
+    }
+    return fn(inputs, packed_args);
+  }
+
+  variable_list call_copy_slices_prologue(
+      PyObject* /*py_compiler*/,
+      const variable_list& inputs,
+      const at::TensorGeometry& base,
+      const at::TensorGeometry& view) const override {
+    // The grad of the base, with the view's region carved out of a copy.
+    const at::Tensor& grad = inputs.at(0);
+    at::Tensor result =
+        grad.new_empty_strided_symint(base.sym_sizes(), base.sym_strides());
+    result.copy_(grad);
+    at::Tensor grad_slice = result.as_strided_symint(
+        view.sym_sizes(),
+        view.sym_strides(),
+        view.sym_storage_offset() - base.sym_storage_offset());
+    at::Tensor contiguous_slice = grad_slice.clone(at::MemoryFormat::Contiguous);
+    return {std::move(result), std::move(grad_slice), std::move(contiguous_slice)};
+  }
+
+  variable_list call_copy_slices_epilogue(
+      PyObject* /*py_compiler*/,
+      const std::vector<bool>& needs_input_grad,
+      const at::Tensor& result,
+      const variable_list& res,
+      const at::Tensor& grad_slice) const override {
+    variable_list grad_inputs(needs_input_grad.size());
+    for (size_t i = 0; i < needs_input_grad.size(); ++i) {
+      if (!needs_input_grad[i] || !res.at(i).defined()) {
+        continue;
+      }
+      if (i == 0) {
+        // The view's grad goes back into the base's grad in place.
+        at::Tensor slice = grad_slice;
+        slice.copy_(res[0]);
+        grad_inputs[0] = result;
+      } else {
+        grad_inputs[i] = res[i];
+      }
+    }
+    return grad_inputs;
+  }
+
+  at::Tensor call_unpack(
+      PyObject* /*py_compiler*/,
+      std::optional<size_t> /*hook_id*/,
+      size_t /*hook_input_id*/) const override {
+    TORCH_CHECK_NOT_IMPLEMENTED(
+        false, "ca_core: saved tensors with unpack hooks are not supported yet");
+  }
+
+  at::Tensor call_accumulate_grad(
+      PyObject* /*py_compiler*/,
+      const at::Tensor& /*variable*/,
+      const at::Tensor& /*variable_grad*/,
+      const at::Tensor& /*grad*/,
+      bool /*has_post_hooks*/) const override {
+    // AccumulateGrad runs outside the captured graph (engine_hook.cpp).
+    TORCH_CHECK_NOT_IMPLEMENTED(
+        false, "ca_core: AccumulateGrad is applied outside the graph");
+  }
+};
+
+} // namespace
+
+InterfaceScope::InterfaceScope()
+    : guard_(std::make_unique<PyCompilerGuard>(
+          std::make_unique<CaCompilerInterface>())) {}
+
+InterfaceScope::~InterfaceScope() = default;
+
+void register_compiler_interface(nb::module_& m) {
+  m.def(
+      "bound_functionals",
+      []() {
+        auto& r = registry();
+        std::lock_guard<std::mutex> lock(r.mutex);
+        std::vector<std::string> names;
+        names.reserve(r.functionals.size());
+        for (const auto& [name, _] : r.functionals) {
+          names.push_back(name);
+        }
+        std::sort(names.begin(), names.end());
+        return names;
+      },
+      "Names of the functional backwards bound to ca_core in this process.");
+}
+
+} // namespace ca

@@ -1,0 +1,365 @@
+// engine_hook.cpp — the function installed with Engine::set_compiled_autograd:
+// walks the graph, serves a cache hit or asks ca_runtime to capture a miss,
+// runs the compiled graph, accumulates leaf grads, and falls back to the eager
+// engine when anything cannot be compiled.
+#include "ca_core.h"
+#include "tensor_caster.h"
+
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/input_buffer.h>
+
+#include <nanobind/stl/string.h>
+
+namespace ca {
+
+using torch::autograd::Engine;
+using torch::autograd::GraphTask;
+using torch::autograd::InputBuffer;
+
+/*
+[Note: Engine hook lifetime]
+Engine::set_compiled_autograd only has a setter, so nobody can read back what
+is installed. ca_core therefore only ever swaps between "ours" and "nothing";
+ca_runtime.enable() remembers what was active before it (ours with another
+runtime, torch's built-in compiled autograd, or eager) and restores exactly
+that on exit, re-arming torch's hook through its own Python API if needed.
+The runtime object is a strong reference held here while installed.
+
+[Note: Eager fallback]
+A backward that cannot be compiled runs on the eager engine from inside the
+hook: execute_with_graph_task on the same GraphTask, which the walk left
+untouched (it counts dependencies in a map of its own), then waits on the
+task's future. The GIL is released meanwhile because eager nodes (PyNode,
+hooks) take it themselves and device threads may need it.
+*/
+
+namespace {
+
+/// Counters kept in C++ so that the hit path allocates nothing in Python.
+struct Counters {
+  std::atomic<uint64_t> captures{0};
+  std::atomic<uint64_t> cache_hits{0};
+  std::atomic<uint64_t> eager_fallbacks{0};
+};
+Counters g_counters;
+
+/// The ca_runtime object (capture, run_first, report_fallback), or null.
+PyObject* g_runtime = nullptr;
+
+/// Holds the GIL for a scope (the engine calls the hook without it).
+struct GilAcquire {
+  GilAcquire() : state_(PyGILState_Ensure()) {}
+  ~GilAcquire() {
+    PyGILState_Release(state_);
+  }
+  GilAcquire(const GilAcquire&) = delete;
+  GilAcquire& operator=(const GilAcquire&) = delete;
+
+ private:
+  PyGILState_STATE state_;
+};
+
+/// Releases the GIL for a scope.
+struct GilRelease {
+  GilRelease() : save_(PyEval_SaveThread()) {}
+  ~GilRelease() {
+    PyEval_RestoreThread(save_);
+  }
+  GilRelease(const GilRelease&) = delete;
+  GilRelease& operator=(const GilRelease&) = delete;
+
+ private:
+  PyThreadState* save_;
+};
+
+/// Sets active_backward() for the scope of one compiled run.
+struct ActiveBackwardGuard {
+  explicit ActiveBackwardGuard(BackwardState* state)
+      : prior_(std::exchange(active_backward(), state)) {}
+  ~ActiveBackwardGuard() {
+    active_backward() = prior_;
+  }
+  ActiveBackwardGuard(const ActiveBackwardGuard&) = delete;
+  ActiveBackwardGuard& operator=(const ActiveBackwardGuard&) = delete;
+
+ private:
+  BackwardState* prior_;
+};
+
+/// Depth of our hook on this thread; > 0 means a backward inside a backward.
+thread_local int t_hook_depth = 0;
+struct DepthGuard {
+  DepthGuard() {
+    ++t_hook_depth;
+  }
+  ~DepthGuard() {
+    --t_hook_depth;
+  }
+};
+
+/// Runs the whole backward on the eager engine; see [Note: Eager fallback].
+variable_list run_eager(
+    const c10::intrusive_ptr<Node>& root,
+    const GraphTask& graph_task) {
+  auto task = const_cast<GraphTask&>(graph_task).shared_from_this();
+  GilRelease no_gil;
+  auto future = Engine::get_default_engine().execute_with_graph_task(
+      task, root, InputBuffer(variable_list()));
+  future->wait();
+  return future->value().toTensorVector();
+}
+
+/// Tells the runtime why this backward runs eagerly (it warns and counts).
+void report_fallback(const std::string& node, const std::string& reason) {
+  ++g_counters.eager_fallbacks;
+  if (g_runtime == nullptr) {
+    return;
+  }
+  nb::handle runtime(g_runtime);
+  runtime.attr("report_fallback")(node, reason);
+}
+
+/// The graph's inputs: every non-AccumulateGrad node's lifted tensors, sizes
+/// and scalars, concatenated in walk order.
+struct GraphArgs {
+  nb::list tensors;
+  nb::list sizes;
+  nb::list scalars;
+  std::vector<int64_t> size_values;
+};
+
+GraphArgs lift_args(const BackwardState& state) {
+  GraphArgs args;
+  for (const auto& ns : state.nodes) {
+    if (!ns.collected) {
+      continue;
+    }
+    for (const auto& size : ns.collected->all_size_inputs) {
+      args.size_values.push_back(size.value);
+    }
+    if (ns.is_accumulate_grad) {
+      continue;
+    }
+    for (const auto& t : ns.collected->tensor_args.inputs) {
+      args.tensors.append(nb::steal(wrap_tensor(t)));
+    }
+    for (const auto& lifted : ns.collected->lifted_ivalue_args.args) {
+      const at::IValue& iv = *lifted.actual_ptr;
+      if (iv.isInt()) {
+        args.scalars.append(nb::int_(iv.toInt()));
+      } else if (iv.isDouble()) {
+        args.scalars.append(nb::float_(iv.toDouble()));
+      } else {
+        TORCH_CHECK_NOT_IMPLEMENTED(
+            false, "ca_core: symbolic lifted scalars are not supported yet");
+      }
+    }
+  }
+  return args;
+}
+
+/// Applies the graph's leaf grads through the real AccumulateGrad nodes, which
+/// gives eager's stealing, layout and post-accumulate-grad-hook behaviour.
+void accumulate_leaf_grads(BackwardState& state, variable_list& leaf_grads) {
+  size_t k = 0;
+  for (auto& ns : state.nodes) {
+    if (!ns.is_accumulate_grad || !ns.call.needed) {
+      continue;
+    }
+    variable_list inputs;
+    inputs.emplace_back(std::move(leaf_grads.at(k++)));
+    (*ns.call.node)(std::move(inputs));
+  }
+}
+
+variable_list compiled_backward(
+    const c10::intrusive_ptr<Node>& root,
+    const GraphTask& graph_task,
+    bool accumulate_grad,
+    const torch::autograd::edge_list& output_edges) {
+  GilAcquire gil;
+  at::ThreadLocalStateGuard tls_guard(graph_task.thread_locals_);
+  if (t_hook_depth > 0 || g_runtime == nullptr) {
+    // A backward started inside a compiled backward (hooks, checkpoint) runs
+    // eagerly; the outer one keeps its state.
+    return run_eager(root, graph_task);
+  }
+  DepthGuard depth;
+
+  std::unique_ptr<BackwardState> state;
+  try {
+    state = walk_graph(root, graph_task, output_edges);
+  } catch (const c10::Error& e) {
+    report_fallback("graph walk", e.what_without_backtrace());
+    return run_eager(root, graph_task);
+  }
+  state->accumulate_grad = accumulate_grad;
+  state->create_graph = c10::GradMode::is_enabled();
+  ShadowNode* entry = state->entry;
+  // Python code below may clear the cache; see [Note: Cache and the GIL].
+  const uint64_t generation = cache_generation();
+  auto entry_alive = [&] { return cache_generation() == generation; };
+  if (entry->failed) {
+    ++g_counters.eager_fallbacks;
+    return run_eager(root, graph_task);
+  }
+
+  GraphArgs args = lift_args(*state);
+  nb::handle runtime(g_runtime);
+  const bool hit =
+      entry->compiled_fn.is_valid() && entry->expected_sizes == args.size_values;
+  nb::object compiled;
+  bool first_run = false;
+  if (hit) {
+    ++g_counters.cache_hits;
+    ++entry->hits;
+    compiled = entry->compiled_fn;
+    first_run = entry->first_run;
+  } else {
+    nb::object description = describe_backward(*state);
+    compiled = runtime.attr("capture")(description);
+    if (compiled.is_none()) {
+      if (entry_alive()) {
+        entry->failed = true;
+      }
+      ++g_counters.eager_fallbacks;
+      return run_eager(root, graph_task);
+    }
+    ++g_counters.captures;
+    if (entry_alive()) {
+      entry->compiled_fn = compiled;
+      entry->expected_sizes = args.size_values;
+      entry->first_run = true;
+    }
+    first_run = true;
+  }
+
+  nb::object result;
+  {
+    ActiveBackwardGuard active(state.get());
+    if (first_run) {
+      // A failure of a fresh graph is a compile failure: the runtime warns and
+      // returns None, and the backward runs eagerly.
+      result = runtime.attr("run_first")(
+          compiled, args.tensors, args.sizes, args.scalars);
+      if (result.is_none()) {
+        if (entry_alive()) {
+          entry->failed = true;
+          entry->compiled_fn = nb::object();
+        }
+        ++g_counters.eager_fallbacks;
+        return run_eager(root, graph_task);
+      }
+      if (entry_alive()) {
+        entry->first_run = false;
+      }
+    } else {
+      result = nb::steal(check_py(PyObject_CallFunctionObjArgs(
+          compiled.ptr(),
+          args.tensors.ptr(),
+          args.sizes.ptr(),
+          args.scalars.ptr(),
+          nullptr)));
+    }
+  }
+  // Drop our Python references to the inputs before accumulating so that
+  // AccumulateGrad can steal fresh grads as eager does.
+  args = GraphArgs();
+
+  variable_list outputs;
+  variable_list leaf_grads;
+  {
+    PyObject* seq = check_py(PySequence_Fast(result.ptr(), "compiled backward must return a sequence"));
+    nb::object holder = nb::steal(seq);
+    result = nb::object();
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    TORCH_CHECK(
+        static_cast<size_t>(n) >= state->num_outputs,
+        "ca_core: compiled backward returned ",
+        n,
+        " values, expected at least ",
+        state->num_outputs);
+    PyObject** items = PySequence_Fast_ITEMS(seq);
+    outputs.reserve(state->num_outputs);
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      at::Tensor t = unpack_tensor(items[i], "compiled backward output");
+      if (static_cast<size_t>(i) < state->num_outputs) {
+        outputs.emplace_back(std::move(t));
+      } else {
+        leaf_grads.emplace_back(std::move(t));
+      }
+    }
+  }
+  accumulate_leaf_grads(*state, leaf_grads);
+
+  if (!state->keep_graph) {
+    for (auto& ns : state->nodes) {
+      if (ns.call.needed) {
+        ns.call.node->release_variables();
+      }
+    }
+  }
+  return outputs;
+}
+
+} // namespace
+
+PyObject* installed_runtime() {
+  return g_runtime;
+}
+
+void register_engine_hook(nb::module_& m) {
+  m.def(
+      "install_engine_hook",
+      [](nb::object runtime) {
+        for (const char* method : {"capture", "run_first", "report_fallback"}) {
+          if (!nb::hasattr(runtime, method)) {
+            throw nb::type_error(
+                (std::string("install_engine_hook: runtime has no method '") +
+                 method + "'")
+                    .c_str());
+          }
+        }
+        PyObject* prior = g_runtime;
+        g_runtime = runtime.inc_ref().ptr();
+        Py_XDECREF(prior);
+        Engine::set_compiled_autograd(&compiled_backward);
+      },
+      nb::arg("runtime"),
+      "Installs ca_core's engine hook, serving backwards with `runtime`; "
+      "see [Note: Engine hook lifetime].");
+  m.def(
+      "uninstall_engine_hook",
+      []() {
+        Engine::set_compiled_autograd(nullptr);
+        PyObject* prior = std::exchange(g_runtime, nullptr);
+        Py_XDECREF(prior);
+      },
+      "Removes ca_core's engine hook: backwards run on the eager engine.");
+  m.def(
+      "installed_runtime",
+      []() -> nb::object {
+        return g_runtime ? nb::borrow(g_runtime) : nb::none();
+      },
+      "The runtime object while the hook is installed, else None.");
+  m.def(
+      "counters",
+      []() {
+        nb::dict d;
+        d["captures"] = g_counters.captures.load();
+        d["cache_hits"] = g_counters.cache_hits.load();
+        d["eager_fallbacks"] = g_counters.eager_fallbacks.load();
+        return d;
+      },
+      "captures, cache_hits and eager_fallbacks since the last reset_counters().");
+  m.def(
+      "reset_counters",
+      []() {
+        g_counters.captures = 0;
+        g_counters.cache_hits = 0;
+        g_counters.eager_fallbacks = 0;
+      },
+      "Sets every counter to zero.");
+}
+
+} // namespace ca

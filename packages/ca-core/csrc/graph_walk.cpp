@@ -1,0 +1,231 @@
+// graph_walk.cpp — walks one backward's autograd graph in eager's order,
+// computes each node's cache key and lifted values, and owns the shadow-graph
+// cache those keys are looked up in.
+#include "ca_core.h"
+
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
+
+#include <cxxabi.h>
+
+#include <queue>
+#include <typeinfo>
+
+namespace ca {
+
+using torch::autograd::AccumulateGrad;
+using torch::autograd::GraphTask;
+using torch::dynamo::autograd::CompiledNodeArgs;
+
+/*
+[Note: Cache key]
+The shadow graph is a tree: the root stands for "no node seen yet" and each
+visited node of a backward moves one level down, along the child whose
+CacheKey equals that node's key. A backward is a hit when the walk ends at a
+ShadowNode that holds a compiled function and whose expected sizes match.
+
+A node's key is the node's C++ type plus the bytes torch's CompiledNodeArgs
+visitor writes for it:
+  - the node's graph-wide id, its graph outputs and the ids of its hooks
+    (collect(NodeCall));
+  - whether the node is needed (exec_info of .grad / backward(inputs=));
+  - what its compiled_args specialises on (scalars, dtypes, flags, and the
+    id/device/dtype/requires_grad of each tensor it lifts);
+  - for each next edge: validity, the graph-wide id of the node it leads to,
+    the input number and the input metadata validate_outputs checks against.
+The graph-wide ids are ours (discovery order of the walk) because each node
+collects into its own AutogradCompilerCall; see [Note: Per-node collection].
+Because the walk order is eager's order and ids follow discovery, two
+backwards with the same key path have the same graph.
+
+[Note: Cache and the GIL]
+Every read and write of the cache tree happens with the GIL held and without
+running Python code in between, so the GIL serialises threads for us. Python
+code (capture, compiler_fn, the compiled graph) may release the GIL, so a
+ShadowNode pointer is not trusted across such a call: clear_cache() bumps the
+generation and the engine hook re-checks it before storing a result.
+*/
+
+ShadowNode* ShadowNode::lookup(const CacheKey& key) {
+  auto it = next.find(key);
+  if (it == next.end()) {
+    // The key's bytes live in CompiledNodeArgs' temporary buffer: copy them.
+    CacheKeyBuffer buffer(key.key, key.key_size);
+    CacheKey stored(key.node_type, buffer.get(), key.key_size);
+    it = next.emplace(stored, std::make_unique<ShadowNode>()).first;
+    key_storage.emplace_back(std::move(buffer));
+  }
+  return it->second.get();
+}
+
+void ShadowNode::clear() {
+  next.clear();
+  key_storage.clear();
+  expected_sizes.clear();
+  compiled_fn = nb::object();
+  failed = false;
+  first_run = true;
+  hits = 0;
+}
+
+namespace {
+
+std::atomic<uint64_t> g_generation{0};
+
+/// Orders ready nodes as eager's ReadyQueue does: highest sequence_nr first
+/// (AccumulateGrad has the largest).
+struct LaterSequenceFirst {
+  bool operator()(const Node* a, const Node* b) const {
+    return a->sequence_nr() < b->sequence_nr();
+  }
+};
+
+} // namespace
+
+ShadowNode& cache_root() {
+  // Leaked on purpose: its Python objects must not be released after the
+  // interpreter is gone.
+  static ShadowNode* root = new ShadowNode();
+  return *root;
+}
+
+uint64_t cache_generation() {
+  return g_generation.load();
+}
+
+std::string node_type_name(const Node& node) {
+  const char* mangled = typeid(node).name();
+  int status = 0;
+  std::unique_ptr<char, void (*)(void*)> demangled(
+      abi::__cxa_demangle(mangled, nullptr, nullptr, &status), std::free);
+  return status == 0 && demangled ? std::string(demangled.get())
+                                  : std::string(mangled);
+}
+
+std::unique_ptr<BackwardState> walk_graph(
+    const c10::intrusive_ptr<Node>& root,
+    const GraphTask& graph_task,
+    const torch::autograd::edge_list& output_edges) {
+  auto state = std::make_unique<BackwardState>();
+  state->num_outputs = output_edges.size();
+  state->keep_graph = graph_task.keep_graph_;
+
+  const auto& exec_info = graph_task.exec_info_;
+  const bool check_exec_info = !exec_info.empty();
+  const size_t expected_nodes =
+      check_exec_info ? exec_info.size() : graph_task.dependencies_.size() + 1;
+  state->nodes.reserve(expected_nodes);
+  state->walk_index.reserve(expected_nodes);
+
+  // Graph-wide ids in discovery order; see [Note: Cache key].
+  std::unordered_map<Node*, uint32_t> ids;
+  ids.reserve(expected_nodes);
+  auto id_of = [&](Node* fn) {
+    return ids.try_emplace(fn, static_cast<uint32_t>(ids.size())).first->second;
+  };
+  // Dependencies left per node; the GraphTask is const and stays untouched so
+  // that an eager fallback can still run it.
+  std::unordered_map<Node*, int> remaining;
+  remaining.reserve(expected_nodes);
+
+  std::priority_queue<Node*, std::vector<Node*>, LaterSequenceFirst> ready;
+  ready.push(root.get());
+  id_of(root.get());
+
+  ShadowNode* cache = &cache_root();
+  while (!ready.empty()) {
+    Node* fn = ready.top();
+    ready.pop();
+    const auto walk_idx = static_cast<uint32_t>(state->nodes.size());
+    state->walk_index.emplace(fn, walk_idx);
+    NodeState& ns = state->nodes.emplace_back(
+        id_of(fn), c10::intrusive_ptr<Node>::reclaim_copy(fn));
+    NodeCall& call = ns.call;
+    if (check_exec_info && fn != root.get()) {
+      call.needed = exec_info.at(fn).needed_;
+    }
+    for (size_t i = 0; i < output_edges.size(); ++i) {
+      if (output_edges[i].function.get() == fn) {
+        call.mark_output(
+            static_cast<int>(output_edges[i].input_nr), static_cast<int>(i));
+      }
+    }
+    ns.is_accumulate_grad = typeid(*fn) == typeid(AccumulateGrad);
+    ns.collected =
+        std::make_unique<AutogradCompilerCall>(SizeInput::STATIC);
+
+    {
+      CompiledNodeArgs args(*ns.collected, call);
+      args.collect(call);
+      if (args.cond(call.needed)) {
+        fn->compiled_args(args);
+        ns.num_apply_sizes =
+            static_cast<uint32_t>(ns.collected->all_size_inputs.size());
+        for (const auto& edge : fn->next_edges()) {
+          if (args.cond(edge.is_valid())) {
+            args.collect_size(id_of(edge.function.get()));
+            args.collect_size(edge.input_nr);
+            args.collect(edge.function->input_metadata(edge.input_nr));
+          }
+        }
+      }
+      cache = cache->lookup(args.key());
+    }
+
+    for (const auto& edge : fn->next_edges()) {
+      if (!edge.is_valid()) {
+        continue;
+      }
+      Node* next = edge.function.get();
+      if (check_exec_info) {
+        auto it = exec_info.find(next);
+        if (it == exec_info.end() || !it->second.should_execute()) {
+          continue;
+        }
+      }
+      auto [it, inserted] = remaining.try_emplace(next, 0);
+      if (inserted) {
+        auto dep = graph_task.dependencies_.find(next);
+        TORCH_INTERNAL_ASSERT(dep != graph_task.dependencies_.end());
+        it->second = dep->second;
+      }
+      if (--it->second == 0) {
+        ready.push(next);
+      }
+    }
+  }
+  state->entry = cache;
+  return state;
+}
+
+void register_graph_walk(nb::module_& m) {
+  m.def(
+      "clear_cache",
+      []() {
+        ++g_generation;
+        cache_root().clear();
+      },
+      "Empties the shadow-graph cache (every captured backward).");
+  m.def(
+      "cache_entries",
+      []() {
+        // Depth-first over the tree: (key-path length, hits, failed) per
+        // compiled or failed entry.
+        nb::list out;
+        std::vector<std::pair<const ShadowNode*, size_t>> stack{
+            {&cache_root(), 0}};
+        while (!stack.empty()) {
+          auto [node, depth] = stack.back();
+          stack.pop_back();
+          if (node->compiled_fn.is_valid() || node->failed) {
+            out.append(nb::make_tuple(depth, node->hits, node->failed));
+          }
+          for (const auto& [_, child] : node->next) {
+            stack.emplace_back(child.get(), depth + 1);
+          }
+        }
+        return out;
+      },
+      "(key_path_length, hits, failed) of every cache entry.");
+}
+
+} // namespace ca

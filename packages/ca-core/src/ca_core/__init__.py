@@ -1,0 +1,70 @@
+"""ca_core: the C++ half of compiled autograd (engine hook, graph walk,
+shadow-graph cache, saved-variable swapping, functional registry).
+
+This module is the only place that imports the extension. ca_core is
+ABI-bound to the exact torch it was built against; importing it next to any
+other torch fails here with a message that says what to do.
+"""
+
+from __future__ import annotations
+
+import torch  # loads libtorch before the extension needs its symbols
+
+__all__ = [
+    "BackwardGraph",
+    "NodeInfo",
+    "TORCH_VERSION",
+    "apply_with_saved",
+    "bound_functionals",
+    "cache_entries",
+    "clear_cache",
+    "counters",
+    "install_engine_hook",
+    "installed_runtime",
+    "reset_counters",
+    "uninstall_engine_hook",
+    "validate_outputs",
+]
+
+__version__ = "0.1.0"
+
+
+def _check_torch(built_for: str) -> None:
+    running = torch.__version__
+    if running.split("+")[0] != built_for.split("+")[0]:
+        raise ImportError(
+            f"ca_core was built against torch {built_for} but torch {running} is "
+            "installed. ca_core uses torch's C++ ABI, so the two must match exactly: "
+            f"install torch=={built_for.split('+')[0]}, or rebuild ca_core against "
+            "this torch with `pip install --no-build-isolation --force-reinstall "
+            "packages/ca-core`."
+        )
+
+
+try:
+    from ca_core import _C
+except ImportError as e:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        f"ca_core's extension failed to load ({e}). It is built against torch's C++ "
+        f"ABI; torch {torch.__version__} is installed. Reinstall ca_core with "
+        "`pip install --no-build-isolation packages/ca-core` after installing "
+        "torch==2.13.0."
+    ) from e
+
+_check_torch(_C.TORCH_VERSION)
+
+from ca_core._C import (  # noqa: E402
+    TORCH_VERSION,
+    BackwardGraph,
+    NodeInfo,
+    apply_with_saved,
+    bound_functionals,
+    cache_entries,
+    clear_cache,
+    counters,
+    install_engine_hook,
+    installed_runtime,
+    reset_counters,
+    uninstall_engine_hook,
+    validate_outputs,
+)

@@ -1,0 +1,25 @@
+"""ca_runtime: compiled autograd for stock torch.
+
+Inside ``enable(compiler_fn)``, ``loss.backward()`` is captured once into an FX
+graph, compiled with ``compiler_fn`` and served from a cache on later steps;
+what cannot be compiled runs on the eager engine with one warning.
+"""
+
+from __future__ import annotations
+
+from ca_runtime._capture import build_graph_module
+from ca_runtime._enable import disable, enable, reset, stats
+from ca_runtime._log import EagerFallbackWarning
+from ca_runtime._runtime import Runtime
+
+__all__ = [
+    "EagerFallbackWarning",
+    "Runtime",
+    "build_graph_module",
+    "disable",
+    "enable",
+    "reset",
+    "stats",
+]
+
+__version__ = "0.1.0"

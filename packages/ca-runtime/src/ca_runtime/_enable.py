@@ -1,0 +1,130 @@
+"""``enable()``, ``disable()``, ``reset()`` and ``stats()``.
+
+[Note: Restoring the engine hook]
+torch's engine has one slot for a compiled-autograd function and no getter
+(see [Note: Engine hook lifetime] in ca_core). ``enable()`` therefore records
+what was active when it started -- our hook with some runtime, torch's
+built-in compiled autograd, or nothing -- and puts exactly that back when it
+exits, whether by return or by exception. torch's hook is re-armed through
+``torch._C._dynamo.compiled_autograd.set_autograd_compiler``, which keeps
+torch's own compiler object.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import ca_core
+import torch
+
+from ca_runtime._runtime import CompilerFn, Runtime
+
+__all__ = ["disable", "enable", "reset", "stats"]
+
+
+@dataclasses.dataclass(frozen=True)
+class _HookState:
+    """What held the engine's compiled-autograd slot."""
+
+    ours: Runtime | None
+    torch_builtin: bool
+
+    @staticmethod
+    def current() -> _HookState:
+        ours = ca_core.installed_runtime()
+        torch_builtin = ours is None and bool(
+            getattr(torch._dynamo.compiled_autograd, "compiled_autograd_enabled", False)
+        )
+        return _HookState(ours, torch_builtin)
+
+    def restore(self) -> None:
+        if self.ours is not None:
+            ca_core.install_engine_hook(self.ours)
+            return
+        ca_core.uninstall_engine_hook()
+        if self.torch_builtin:
+            set_compiler = torch._C._dynamo.compiled_autograd.set_autograd_compiler
+            prior = set_compiler(None, False)
+            set_compiler(*prior)
+
+
+def _valid_backends() -> list[str]:
+    return sorted(torch._dynamo.list_backends(exclude_tags=()))
+
+
+def _resolve_compiler(compiler_fn: object) -> tuple[CompilerFn, str]:
+    if isinstance(compiler_fn, str):
+        valid = _valid_backends()
+        if compiler_fn not in valid:
+            raise ValueError(
+                f"compiler_fn: unknown backend name {compiler_fn!r}; valid names are "
+                + ", ".join(valid)
+            )
+        backend = compiler_fn
+
+        def compile_with_backend(gm: torch.fx.GraphModule) -> Callable[..., Any]:
+            return torch.compile(gm, backend=backend, dynamic=False)
+
+        return compile_with_backend, f"torch.compile(backend={backend!r})"
+    if not callable(compiler_fn):
+        raise TypeError(
+            "compiler_fn must be a callable taking a torch.fx.GraphModule and returning "
+            f"a callable, or a backend name string; got {type(compiler_fn).__name__}"
+        )
+    return compiler_fn, getattr(compiler_fn, "__name__", repr(compiler_fn))  # type: ignore[return-value]
+
+
+@contextlib.contextmanager
+def enable(compiler_fn: CompilerFn | str) -> Iterator[Runtime]:
+    """Compiles every ``backward()``/``autograd.grad`` inside the context.
+
+    ``compiler_fn`` takes the captured ``torch.fx.GraphModule`` and returns a
+    callable (e.g. ``lambda gm: torch.compile(gm, backend="inductor")``), or is
+    a backend name accepted by ``torch.compile``. On exit, by return or by
+    exception, the engine hook that was active before is restored; see
+    [Note: Restoring the engine hook].
+    """
+    compiler, description = _resolve_compiler(compiler_fn)
+    prior = _HookState.current()
+    runtime = Runtime(compiler, description)
+    ca_core.install_engine_hook(runtime)
+    try:
+        yield runtime
+    finally:
+        prior.restore()
+
+
+@contextlib.contextmanager
+def disable() -> Iterator[None]:
+    """Runs backwards on the eager engine inside the context, then restores."""
+    prior = _HookState.current()
+    ca_core.uninstall_engine_hook()
+    try:
+        yield
+    finally:
+        prior.restore()
+
+
+def reset() -> None:
+    """Empties the shadow-graph cache and zeroes the counters."""
+    ca_core.clear_cache()
+    ca_core.reset_counters()
+
+
+def stats() -> dict[str, int]:
+    """Counters since the last ``reset()``.
+
+    ``captures`` (graphs captured and compiled), ``cache_hits`` (backwards
+    served from the cache), ``graph_breaks`` (nodes run eagerly inside a
+    compiled backward) and ``eager_fallbacks`` (backwards run wholly eagerly).
+    """
+    counters = ca_core.counters()
+    return {
+        "captures": counters["captures"],
+        "cache_hits": counters["cache_hits"],
+        "graph_breaks": 0,
+        "eager_fallbacks": counters["eager_fallbacks"],
+    }
