@@ -329,6 +329,15 @@ void register_engine_hook(nb::module_& m) {
       "Installs ca_core's engine hook, serving backwards with `runtime`; "
       "see [Note: Engine hook lifetime].");
   m.def(
+      "rearm_engine_hook",
+      []() {
+        if (g_runtime != nullptr) {
+          Engine::set_compiled_autograd(&compiled_backward);
+        }
+      },
+      "Puts ca_core's hook back into the engine if a runtime is installed "
+      "(after code that cleared the engine's slot).");
+  m.def(
       "uninstall_engine_hook",
       []() {
         Engine::set_compiled_autograd(nullptr);

@@ -21,6 +21,7 @@ import ca_core
 import torch
 
 from ca_runtime._runtime import CompilerFn, Runtime
+from ca_runtime._torch_interop import keep_hook_across_torch_disable
 
 __all__ = ["disable", "enable", "reset", "stats"]
 
@@ -88,6 +89,7 @@ def enable(compiler_fn: CompilerFn | str) -> Iterator[Runtime]:
     [Note: Restoring the engine hook].
     """
     compiler, description = _resolve_compiler(compiler_fn)
+    keep_hook_across_torch_disable()
     prior = _HookState.current()
     runtime = Runtime(compiler, description)
     ca_core.install_engine_hook(runtime)

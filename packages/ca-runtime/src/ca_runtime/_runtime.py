@@ -85,5 +85,5 @@ class Runtime:
             f"ca_runtime: {node} cannot be compiled ({first_line}); "
             "this backward runs on the eager engine"
         )
-        log.warning(message)
+        log.info(message)
         warnings.warn(message, EagerFallbackWarning, stacklevel=2)

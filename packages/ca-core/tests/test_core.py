@@ -1,0 +1,73 @@
+"""ca_core's Python surface: the gateway, argument checks, the registry."""
+
+from __future__ import annotations
+
+import ca_core
+import pytest
+import torch
+
+
+def test_gateway_reports_torch_version() -> None:
+    assert ca_core.TORCH_VERSION.split("+")[0] == torch.__version__.split("+")[0]
+    with pytest.raises(ImportError, match="torch==9.9.9"):
+        ca_core._check_torch("9.9.9")
+
+
+def test_apply_with_saved_outside_backward_raises() -> None:
+    with pytest.raises(RuntimeError, match="no compiled backward is running"):
+        ca_core.apply_with_saved(0, [], [], None, [])
+    with pytest.raises(RuntimeError, match="no compiled backward is running"):
+        ca_core.validate_outputs(0, [], None)
+
+
+def test_install_rejects_object_without_capture_methods() -> None:
+    with pytest.raises(TypeError, match="capture"):
+        ca_core.install_engine_hook(object())
+    assert ca_core.installed_runtime() is None
+
+
+class RecordingRuntime:
+    """A minimal runtime: captures by running the graph node by node in eager."""
+
+    def __init__(self) -> None:
+        self.graphs: list[ca_core.BackwardGraph] = []
+
+    def capture(self, graph):
+        self.graphs.append(graph)
+        return None  # ask for the eager fallback
+
+    def run_first(self, compiled, inputs, sizes, scalars):  # pragma: no cover - not reached
+        return compiled(inputs, sizes, scalars)
+
+    def report_fallback(self, node, reason):  # pragma: no cover - not reached
+        pass
+
+
+def test_walk_describes_nodes_in_eager_order_and_remembers_failure() -> None:
+    ca_core.clear_cache()
+    ca_core.reset_counters()
+    runtime = RecordingRuntime()
+    x = torch.randn(3, requires_grad=True)
+    ca_core.install_engine_hook(runtime)
+    try:
+        for _ in range(2):
+            x.grad = None  # keep AccumulateGrad's key (grad defined or not) the same
+            (x * 2).sin().sum().backward()
+    finally:
+        ca_core.uninstall_engine_hook()
+    assert torch.allclose(x.grad, 2 * torch.cos(x * 2))
+    assert len(runtime.graphs) == 1  # the failed key path is not captured again
+    names = [n.name for n in runtime.graphs[0].nodes]
+    assert names == [
+        "torch::autograd::GraphRoot",
+        "SumBackward0",
+        "SinBackward0",
+        "MulBackward0",
+        "torch::autograd::AccumulateGrad",
+    ]
+    acc = runtime.graphs[0].nodes[-1]
+    assert acc.is_accumulate_grad and acc.type_name == "torch::autograd::AccumulateGrad"
+    assert ca_core.counters()["eager_fallbacks"] == 2
+    assert ca_core.cache_entries() == [(5, 0, True)]
+    ca_core.clear_cache()
+    assert ca_core.cache_entries() == []

@@ -1,0 +1,10 @@
+"""ca_testkit: differential runs of compiled autograd against eager autograd."""
+
+from __future__ import annotations
+
+from ca_testkit import scenarios
+from ca_testkit.compare import Comparison, TensorDiff, compare
+
+__all__ = ["Comparison", "TensorDiff", "compare", "scenarios"]
+
+__version__ = "0.1.0"

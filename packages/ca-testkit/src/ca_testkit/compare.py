@@ -1,0 +1,175 @@
+"""``compare()``: one step run eagerly and compiled, every tensor compared.
+
+Eager autograd is the oracle. The step runs ``steps`` times on the eager
+engine (inside ``ca_runtime.disable()``), the ``.grad`` fields of ``tensors``
+are put back as they were, then it runs ``steps`` times inside
+``ca_runtime.enable(compiler_fn)``. Returned values (any pytree of tensors)
+and ``.grad`` fields after each step are compared pairwise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Union
+
+import ca_runtime
+import torch
+import torch.utils._pytree as pytree
+
+__all__ = ["Comparison", "TensorDiff", "compare"]
+
+Tensors = Union[torch.nn.Module, Mapping[str, torch.Tensor], Iterable[torch.Tensor]]
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorDiff:
+    """How one tensor of the compiled run differs from eager."""
+
+    name: str
+    ok: bool
+    max_abs: float
+    max_rel: float
+    shape: tuple[int, ...] | None
+    dtype: str | None
+    note: str = ""
+
+    def line(self) -> str:
+        status = "ok      " if self.ok else "MISMATCH"
+        shape = "None" if self.shape is None else "x".join(map(str, self.shape)) or "scalar"
+        text = (
+            f"{status} {self.name:<40} max_abs={self.max_abs:.3g} max_rel={self.max_rel:.3g} "
+            f"shape={shape} dtype={self.dtype}"
+        )
+        return f"{text} ({self.note})" if self.note else text
+
+
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+    """The result of ``compare()``."""
+
+    diffs: tuple[TensorDiff, ...]
+    stats: Mapping[str, int]
+    steps: int
+
+    @property
+    def ok(self) -> bool:
+        return all(d.ok for d in self.diffs)
+
+    @property
+    def mismatches(self) -> tuple[TensorDiff, ...]:
+        return tuple(d for d in self.diffs if not d.ok)
+
+    def report(self) -> str:
+        head = (
+            f"{len(self.mismatches)} of {len(self.diffs)} tensors differ over {self.steps} "
+            f"step(s); stats: " + ", ".join(f"{k}={v}" for k, v in self.stats.items())
+        )
+        return "\n".join([head, *(d.line() for d in self.diffs)])
+
+    def assert_ok(self) -> None:
+        if not self.ok:
+            raise AssertionError("compiled autograd differs from eager:\n" + self.report())
+
+
+def _named(tensors: Tensors) -> dict[str, torch.Tensor]:
+    if isinstance(tensors, torch.nn.Module):
+        return dict(tensors.named_parameters())
+    if isinstance(tensors, Mapping):
+        return dict(tensors)
+    if isinstance(tensors, torch.Tensor):
+        raise TypeError("tensors must be a module, a mapping or a sequence of tensors, not a tensor")
+    return {str(i): t for i, t in enumerate(tensors)}
+
+
+def _as_step(step: Callable[..., Any]) -> Callable[[int], Any]:
+    if not callable(step):
+        raise TypeError(f"step must be callable, got {type(step).__name__}")
+    try:
+        takes_index = bool(inspect.signature(step).parameters)
+    except (TypeError, ValueError):
+        takes_index = True
+    return step if takes_index else (lambda _i: step())
+
+
+def _snapshot(value: Any) -> Any:
+    return value.detach().clone() if isinstance(value, torch.Tensor) else value
+
+
+def _run(step: Callable[[int], Any], steps: int, named: Mapping[str, torch.Tensor]) -> list[dict[str, Any]]:
+    records = []
+    for i in range(steps):
+        out = step(i)
+        leaves, _ = pytree.tree_flatten(out)
+        record = {f"step{i}.return[{k}]": _snapshot(v) for k, v in enumerate(leaves)}
+        record.update({f"step{i}.grad[{name}]": _snapshot(t.grad) for name, t in named.items()})
+        records.append(record)
+    return records
+
+
+def _diff(name: str, eager: Any, compiled: Any, rtol: float, atol: float) -> TensorDiff:
+    if not isinstance(eager, torch.Tensor) or not isinstance(compiled, torch.Tensor):
+        same = type(eager) is type(compiled) and (
+            eager == compiled if not isinstance(eager, float) else math.isclose(eager, compiled, rel_tol=rtol, abs_tol=atol)
+        )
+        note = "" if same else f"eager {eager!r} vs compiled {compiled!r}"
+        return TensorDiff(name, bool(same), 0.0, 0.0, None, None, note)
+    shape, dtype = tuple(eager.shape), str(eager.dtype).removeprefix("torch.")
+    if eager.shape != compiled.shape or eager.dtype != compiled.dtype:
+        note = f"compiled has shape {tuple(compiled.shape)} dtype {compiled.dtype}"
+        return TensorDiff(name, False, math.inf, math.inf, shape, dtype, note)
+    if eager.numel() == 0:
+        return TensorDiff(name, True, 0.0, 0.0, shape, dtype)
+    e, c = eager.double(), compiled.double()
+    err = (e - c).abs().nan_to_num(nan=math.inf)
+    both_nan = e.isnan() & c.isnan()
+    err = torch.where(both_nan, torch.zeros_like(err), err)
+    max_abs = float(err.max())
+    max_rel = float((err / e.abs().clamp_min(torch.finfo(torch.float64).tiny)).max())
+    ok = bool(torch.allclose(c, e, rtol=rtol, atol=atol, equal_nan=True))
+    return TensorDiff(name, ok, max_abs, max_rel, shape, dtype)
+
+
+def compare(
+    step: Callable[..., Any],
+    compiler_fn: Callable[..., Any] | str,
+    *,
+    tensors: Tensors = (),
+    steps: int = 1,
+    rtol: float = 1e-5,
+    atol: float = 1e-6,
+) -> Comparison:
+    """Runs ``step`` eagerly and under ``ca_runtime.enable(compiler_fn)``; compares.
+
+    ``step`` is called as ``step(i)`` (or ``step()``) for ``i in range(steps)``;
+    whatever it returns is compared, and so is ``.grad`` of every tensor in
+    ``tensors`` after each step. The counters in ``Comparison.stats`` are those
+    of the compiled run alone (the cache and counters are reset before it).
+    """
+    if not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be a positive int, got {steps!r}")
+    run = _as_step(step)
+    named = _named(tensors)
+    initial = {name: _snapshot(t.grad) for name, t in named.items()}
+
+    with ca_runtime.disable():
+        eager = _run(run, steps, named)
+    for name, t in named.items():
+        t.grad = None if initial[name] is None else initial[name].clone()
+
+    ca_runtime.reset()
+    with ca_runtime.enable(compiler_fn):
+        compiled = _run(run, steps, named)
+    stats = ca_runtime.stats()
+
+    diffs = []
+    for eager_record, compiled_record in zip(eager, compiled):
+        names = list(eager_record) + [n for n in compiled_record if n not in eager_record]
+        for name in names:
+            if name not in compiled_record or name not in eager_record:
+                diffs.append(TensorDiff(name, False, math.inf, math.inf, None, None, "missing in one run"))
+                continue
+            diffs.append(_diff(name, eager_record[name], compiled_record[name], rtol, atol))
+    return Comparison(tuple(diffs), stats, steps)

@@ -1,0 +1,42 @@
+"""Small, deterministic training scenarios shared by tests, examples and benches."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+__all__ = ["batch", "make_mlp", "mlp_step"]
+
+
+def make_mlp(seed: int = 0, sizes: tuple[int, ...] = (8, 16, 4)) -> torch.nn.Sequential:
+    """Linear-ReLU-...-Linear with weights from ``seed``."""
+    torch.manual_seed(seed)
+    layers: list[torch.nn.Module] = []
+    for i, (n_in, n_out) in enumerate(zip(sizes, sizes[1:])):
+        if i:
+            layers.append(torch.nn.ReLU())
+        layers.append(torch.nn.Linear(n_in, n_out))
+    return torch.nn.Sequential(*layers)
+
+
+def batch(i: int, n: int = 6, features: int = 8, classes: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and class targets of step ``i`` (new data every step, reproducible)."""
+    g = torch.Generator().manual_seed(1000 + i)
+    return torch.randn(n, features, generator=g), torch.randint(0, classes, (n,), generator=g)
+
+
+def mlp_step(model: torch.nn.Module, n: int = 6) -> Callable[[int], torch.Tensor]:
+    """A training step: zero grads, cross-entropy on ``batch(i)``, backward; returns the loss."""
+    first = next(model.parameters())
+    features = first.shape[1]
+    classes = [p for p in model.parameters()][-1].shape[0]
+
+    def step(i: int) -> torch.Tensor:
+        model.zero_grad(set_to_none=True)
+        x, y = batch(i, n, features, classes)
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        return loss
+
+    return step
