@@ -191,3 +191,23 @@ def test_torch_builtin_hook_is_restored_after_ours() -> None:
             served_by_torch = "OpNamespace" in str(e)
         assert served_by_torch
     assert ca_runtime.stats()["captures"] == 1
+
+
+def test_dynamo_traces_through_our_calls_to_aten() -> None:
+    from torch._dynamo.backends.common import aot_autograd
+
+    aten_graphs: list[torch.fx.GraphModule] = []
+
+    def record(gm: torch.fx.GraphModule, example_inputs):
+        aten_graphs.append(gm)
+        return gm
+
+    backend = aot_autograd(fw_compiler=record)
+    model = make_mlp()
+    result = ca_testkit.compare(
+        mlp_step(model), lambda gm: torch.compile(gm, backend=backend, fullgraph=True), tensors=model, steps=2
+    )
+    result.assert_ok()
+    assert len(aten_graphs) == 1
+    targets = [n.target for n in aten_graphs[0].graph.nodes if n.op == "call_function"]
+    assert targets and all(isinstance(t, torch._ops.OpOverload) for t in targets), targets
