@@ -54,6 +54,9 @@ struct NodeState {
   uint32_t num_apply_sizes = 0;
   /// True for AccumulateGrad: applied after the compiled graph, not traced.
   bool is_accumulate_grad = false;
+  /// Index into BackwardState::lifted_tensors of each of collected's tensors
+  /// (empty for AccumulateGrad); see [Note: Lifted tensor de-duplication].
+  std::vector<uint32_t> tensor_slots;
 };
 
 struct ShadowNode;
@@ -64,6 +67,9 @@ struct BackwardState {
   std::vector<NodeState> nodes;
   /// Walk index of each visited node.
   std::unordered_map<Node*, uint32_t> walk_index;
+  /// The graph's tensor inputs: every traced node's lifted tensors, each
+  /// distinct tensor once, in first-use order.
+  std::vector<at::Tensor> lifted_tensors;
   /// Number of values the engine expects back (torch.autograd.grad outputs).
   size_t num_outputs = 0;
   /// The cache entry the walk ended at.

@@ -119,8 +119,8 @@ void report_fallback(const std::string& node, const std::string& reason) {
   runtime.attr("report_fallback")(node, reason);
 }
 
-/// The graph's inputs: every non-AccumulateGrad node's lifted tensors, sizes
-/// and scalars, concatenated in walk order.
+/// The graph's inputs: the de-duplicated lifted tensors, and every
+/// non-AccumulateGrad node's sizes and scalars in walk order.
 struct GraphArgs {
   nb::list tensors;
   nb::list sizes;
@@ -130,6 +130,9 @@ struct GraphArgs {
 
 GraphArgs lift_args(const BackwardState& state) {
   GraphArgs args;
+  for (const auto& t : state.lifted_tensors) {
+    args.tensors.append(nb::steal(wrap_tensor(t)));
+  }
   for (const auto& ns : state.nodes) {
     if (!ns.collected) {
       continue;
@@ -139,9 +142,6 @@ GraphArgs lift_args(const BackwardState& state) {
     }
     if (ns.is_accumulate_grad) {
       continue;
-    }
-    for (const auto& t : ns.collected->tensor_args.inputs) {
-      args.tensors.append(nb::steal(wrap_tensor(t)));
     }
     for (const auto& lifted : ns.collected->lifted_ivalue_args.args) {
       const at::IValue& iv = *lifted.actual_ptr;

@@ -37,6 +37,14 @@ collects into its own AutogradCompilerCall; see [Note: Per-node collection].
 Because the walk order is eager's order and ids follow discovery, two
 backwards with the same key path have the same graph.
 
+[Note: Lifted tensor de-duplication]
+A tensor saved by several nodes (x * x, a weight used twice) is one graph
+input: the walk gives each distinct TensorImpl a slot in first-use order and
+every node refers to its tensors by slot. Which slots a node uses is part of
+its key (one collect_size per tensor), so a later backward with the same key
+path has the same aliasing and the graph built for the first stays valid.
+AccumulateGrad's tensors are not graph inputs (the node runs after the graph).
+
 [Note: Cache and the GIL]
 Every read and write of the cache tree happens with the GIL held and without
 running Python code in between, so the GIL serialises threads for us. Python
@@ -122,6 +130,8 @@ std::unique_ptr<BackwardState> walk_graph(
   auto id_of = [&](Node* fn) {
     return ids.try_emplace(fn, static_cast<uint32_t>(ids.size())).first->second;
   };
+  // Graph-input slot of each distinct lifted tensor; see [Note: Lifted tensor de-duplication].
+  std::unordered_map<const c10::TensorImpl*, uint32_t> slots;
   // Dependencies left per node; the GraphTask is const and stays untouched so
   // that an eager fallback can still run it.
   std::unordered_map<Node*, int> remaining;
@@ -160,6 +170,20 @@ std::unique_ptr<BackwardState> walk_graph(
         fn->compiled_args(args);
         ns.num_apply_sizes =
             static_cast<uint32_t>(ns.collected->all_size_inputs.size());
+        if (!ns.is_accumulate_grad) {
+          const auto& tensors = ns.collected->tensor_args.inputs;
+          ns.tensor_slots.reserve(tensors.size());
+          for (const auto& t : tensors) {
+            auto [it, inserted] = slots.try_emplace(
+                t.unsafeGetTensorImpl(),
+                static_cast<uint32_t>(state->lifted_tensors.size()));
+            if (inserted) {
+              state->lifted_tensors.push_back(t);
+            }
+            ns.tensor_slots.push_back(it->second);
+            args.collect_size(it->second);
+          }
+        }
         for (const auto& edge : fn->next_edges()) {
           if (args.cond(edge.is_valid())) {
             args.collect_size(id_of(edge.function.get()));

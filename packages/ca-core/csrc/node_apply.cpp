@@ -40,10 +40,9 @@ struct NodeInfo {
   std::vector<std::pair<int, int>> graph_output;
   /// AccumulateGrad: its input grad becomes a graph output.
   bool is_accumulate_grad = false;
-  /// First of this node's tensors in the graph's `inputs` list.
-  uint32_t tensor_offset = 0;
-  /// How many tensors the node lifted.
-  uint32_t num_tensors = 0;
+  /// Index in the graph's `inputs` list of each tensor the node lifted, in
+  /// the order apply_with_saved takes them.
+  std::vector<uint32_t> tensor_slots;
   /// First of this node's sizes in the walk's size list.
   uint32_t size_offset = 0;
   /// Sizes visited by compiled_args (apply_with_saved).
@@ -237,6 +236,7 @@ BackwardState*& active_backward() {
 nb::object describe_backward(const BackwardState& state) {
   BackwardGraph graph;
   graph.num_outputs = state.num_outputs;
+  graph.num_tensors = static_cast<uint32_t>(state.lifted_tensors.size());
   graph.keep_graph = state.keep_graph;
   graph.create_graph = state.create_graph;
   graph.accumulate_grad = state.accumulate_grad;
@@ -262,7 +262,6 @@ nb::object describe_backward(const BackwardState& state) {
     info.needed = ns.call.needed;
     info.graph_output = ns.call.graph_output;
     info.is_accumulate_grad = ns.is_accumulate_grad;
-    info.tensor_offset = graph.num_tensors;
     info.size_offset = graph.num_sizes;
     info.scalar_offset = graph.num_scalars;
     if (ns.collected) {
@@ -272,13 +271,11 @@ nb::object describe_backward(const BackwardState& state) {
       info.num_validate_sizes = num_sizes - ns.num_apply_sizes;
       graph.num_sizes += num_sizes;
       if (!ns.is_accumulate_grad) {
-        info.num_tensors =
-            static_cast<uint32_t>(ns.collected->tensor_args.inputs.size());
+        info.tensor_slots = ns.tensor_slots;
         info.num_scalars = static_cast<uint32_t>(
             ns.collected->lifted_ivalue_args.args.size());
       }
     }
-    graph.num_tensors += info.num_tensors;
     graph.num_scalars += info.num_scalars;
   }
   return nb::cast(std::move(graph));
@@ -295,8 +292,7 @@ void register_node_apply(nb::module_& m) {
       .def_ro("needed", &NodeInfo::needed)
       .def_ro("graph_output", &NodeInfo::graph_output)
       .def_ro("is_accumulate_grad", &NodeInfo::is_accumulate_grad)
-      .def_ro("tensor_offset", &NodeInfo::tensor_offset)
-      .def_ro("num_tensors", &NodeInfo::num_tensors)
+      .def_ro("tensor_slots", &NodeInfo::tensor_slots)
       .def_ro("size_offset", &NodeInfo::size_offset)
       .def_ro("num_apply_sizes", &NodeInfo::num_apply_sizes)
       .def_ro("num_validate_sizes", &NodeInfo::num_validate_sizes)

@@ -211,3 +211,22 @@ def test_dynamo_traces_through_our_calls_to_aten() -> None:
     assert len(aten_graphs) == 1
     targets = [n.target for n in aten_graphs[0].graph.nodes if n.op == "call_function"]
     assert targets and all(isinstance(t, torch._ops.OpOverload) for t in targets), targets
+
+
+def test_shared_tensors_are_lifted_once_and_aliasing_is_keyed(backend: str) -> None:
+    w = torch.randn(4, 4, requires_grad=True)
+
+    def step(i: int) -> torch.Tensor:
+        w.grad = None
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(i))
+        # steps 0 and 1: both matmuls save the same x (one graph input);
+        # step 2: equal values in two tensors, a different aliasing pattern
+        x2 = x if i < 2 else x.clone()
+        loss = ((x @ w) * (x2 @ w)).sum()
+        loss.backward()
+        return loss
+
+    result = ca_testkit.compare(step, backend, tensors={"w": w}, steps=3)
+    result.assert_ok()
+    assert result.stats["captures"] == 2
+    assert result.stats["cache_hits"] == 1

@@ -65,7 +65,7 @@ def build_graph_module(graph: ca_core.BackwardGraph) -> torch.fx.GraphModule:
         if rule.handling is Handling.UNSUPPORTED:
             raise UnsupportedNode(node, rule.reason)
 
-        saved = lifted[node.tensor_offset : node.tensor_offset + node.num_tensors]
+        saved = [lifted[slot] for slot in node.tensor_slots]
         saved_scalars = lifted_scalars[node.scalar_offset : node.scalar_offset + node.num_scalars]
         outputs = fx.call_function(
             apply_with_saved, (node.index, list(buffer), saved, None, saved_scalars)
