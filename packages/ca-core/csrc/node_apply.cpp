@@ -7,6 +7,7 @@
 
 #include <torch/csrc/autograd/engine.h>
 
+#include <nanobind/stl/map.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
@@ -40,6 +41,9 @@ struct NodeInfo {
   std::vector<std::pair<int, int>> graph_output;
   /// AccumulateGrad: its input grad becomes a graph output.
   bool is_accumulate_grad = false;
+  /// Number of hooks per kind on this node, only kinds present:
+  /// tensor_pre, cpp_tensor_pre, pre, post, post_acc_grad, saved_tensor.
+  std::map<std::string, uint32_t> hooks;
   /// Index in the graph's `inputs` list of each tensor the node lifted, in
   /// the order apply_with_saved takes them.
   std::vector<uint32_t> tensor_slots;
@@ -262,6 +266,20 @@ nb::object describe_backward(const BackwardState& state) {
     info.needed = ns.call.needed;
     info.graph_output = ns.call.graph_output;
     info.is_accumulate_grad = ns.is_accumulate_grad;
+    const NodeCall& call = ns.call;
+    for (const auto& [kind, count] :
+         {std::pair{"tensor_pre", call.tensor_pre_hooks.size()},
+          std::pair{"cpp_tensor_pre", call.cpp_tensor_pre_hooks.size()},
+          std::pair{"pre", call.pre_hooks.size()},
+          std::pair{"post", call.post_hooks.size()},
+          std::pair{"post_acc_grad", call.post_acc_grad_hooks.size()},
+          std::pair{
+              "saved_tensor",
+              ns.collected ? ns.collected->sv_to_hooks.size() : size_t{0}}}) {
+      if (count > 0) {
+        info.hooks.emplace(kind, static_cast<uint32_t>(count));
+      }
+    }
     info.size_offset = graph.num_sizes;
     info.scalar_offset = graph.num_scalars;
     if (ns.collected) {
@@ -292,6 +310,7 @@ void register_node_apply(nb::module_& m) {
       .def_ro("needed", &NodeInfo::needed)
       .def_ro("graph_output", &NodeInfo::graph_output)
       .def_ro("is_accumulate_grad", &NodeInfo::is_accumulate_grad)
+      .def_ro("hooks", &NodeInfo::hooks)
       .def_ro("tensor_slots", &NodeInfo::tensor_slots)
       .def_ro("size_offset", &NodeInfo::size_offset)
       .def_ro("num_apply_sizes", &NodeInfo::num_apply_sizes)

@@ -230,3 +230,59 @@ def test_shared_tensors_are_lifted_once_and_aliasing_is_keyed(backend: str) -> N
     result.assert_ok()
     assert result.stats["captures"] == 2
     assert result.stats["cache_hits"] == 1
+
+
+HOOKED_STEPS = {
+    "tensor_hook": lambda h, w: h.register_hook(lambda g: g * 3),
+    "leaf_tensor_hook": lambda h, w: w.register_hook(lambda g: g + 1),
+    "retain_grad": lambda h, w: h.retain_grad(),
+    "grad_fn_prehook": lambda h, w: h.grad_fn.register_prehook(lambda gs: tuple(g * 2 for g in gs)),
+    "grad_fn_hook": lambda h, w: h.grad_fn.register_hook(
+        lambda gi, go: tuple(None if g is None else g * 2 for g in gi)
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(HOOKED_STEPS))
+def test_hooks_not_captured_yet_fall_back_to_eager(backend: str, kind: str) -> None:
+    # Until hooks are proxied into the graph, a hooked backward must still give
+    # eager's grads (whole-backward fallback), never silently skip the hook.
+    w = torch.randn(4, 4, requires_grad=True)
+    retained = []
+
+    def step() -> torch.Tensor:
+        w.grad = None
+        h = torch.randn(2, 4, generator=torch.Generator().manual_seed(0)) @ w
+        handle = HOOKED_STEPS[kind](h, w)
+        loss = (h.sin() * 2).sum()
+        loss.backward()
+        if handle is not None:
+            handle.remove()
+        retained.append(None if h.grad is None else h.grad.clone())
+        return loss
+
+    with pytest.warns(ca_runtime.EagerFallbackWarning, match="not captured yet"):
+        result = ca_testkit.compare(step, backend, tensors={"w": w})
+    result.assert_ok()
+    assert result.stats["eager_fallbacks"] == 1
+    if kind == "retain_grad":
+        assert retained[0] is not None and torch.equal(retained[0], retained[1])
+
+
+def test_post_accumulate_grad_hook_runs_in_real_node(backend: str) -> None:
+    model = make_mlp()
+    calls: list[str] = []
+    def halve(name: str):
+        def hook(t: torch.Tensor) -> None:
+            calls.append(name)
+            t.grad.mul_(0.5)  # the optimizer-in-backward pattern
+
+        return hook
+
+    for name, p in model.named_parameters():
+        p.register_post_accumulate_grad_hook(halve(name))
+    result = ca_testkit.compare(mlp_step(model), backend, tensors=model, steps=2)
+    result.assert_ok()
+    assert result.stats["captures"] == 1 and result.stats["eager_fallbacks"] == 0
+    half = len(calls) // 2
+    assert sorted(calls[:half]) == sorted(calls[half:]) and half == 4 * 2

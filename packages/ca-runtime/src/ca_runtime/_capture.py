@@ -20,7 +20,7 @@ import torch
 import torch.fx
 
 from ca_runtime._graph_ops import accumulate, apply_with_saved, validate_outputs
-from ca_runtime._node_rules import Handling, rule_for
+from ca_runtime._node_rules import Handling, rule_for, unsupported_hooks
 
 __all__ = ["UnsupportedNode", "build_graph_module"]
 
@@ -53,6 +53,9 @@ def build_graph_module(graph: ca_core.BackwardGraph) -> torch.fx.GraphModule:
     leaf_grads: list[Any] = []
 
     for node in nodes:
+        hook_reason = unsupported_hooks(node)
+        if hook_reason is not None:
+            raise UnsupportedNode(node, hook_reason)
         buffer = buffers.pop(node.index, None) or [None] * node.num_inputs
         for input_nr, output_idx in node.graph_output:
             grad_outputs[output_idx] = buffer[input_nr]

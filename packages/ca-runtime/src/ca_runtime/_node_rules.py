@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import ca_core
 
-__all__ = ["Handling", "NodeRule", "NODE_RULES", "rule_for"]
+__all__ = ["HOOK_RULES", "Handling", "NodeRule", "NODE_RULES", "rule_for", "unsupported_hooks"]
 
 
 class Handling(enum.Enum):
@@ -59,3 +59,24 @@ def rule_for(node: ca_core.NodeInfo) -> NodeRule:
         if fnmatch.fnmatchcase(node.type_name, rule.pattern):
             return rule
     return _DEFAULT
+
+
+#: Per hook kind (``NodeInfo.hooks``): supported, or the reason it is not yet.
+#: post_acc_grad hooks run inside the real AccumulateGrad node, as in eager.
+HOOK_RULES: dict[str, str | None] = {
+    "post_acc_grad": None,
+    "tensor_pre": "tensor hooks (Tensor.register_hook) are not captured yet",
+    "cpp_tensor_pre": "C++ tensor hooks and retain_grad() are not captured yet",
+    "pre": "grad_fn pre-hooks are not captured yet",
+    "post": "grad_fn hooks are not captured yet",
+    "saved_tensor": "saved-tensor hooks are not captured yet",
+}
+
+
+def unsupported_hooks(node: ca_core.NodeInfo) -> str | None:
+    """Why a hook on ``node`` prevents capture, or None when all its hooks are supported."""
+    for kind in node.hooks:
+        reason = HOOK_RULES.get(kind, f"{kind} hooks are not known to ca_runtime")
+        if reason is not None:
+            return reason
+    return None
