@@ -34,12 +34,12 @@ def _run_tests(session: nox.Session, *paths: str, workers: str = "auto") -> None
 @nox.session(python="3.11")
 def tests(session: nox.Session) -> None:
     """Builds the three packages and runs every package's tests (pytest-xdist, -n auto)."""
-    _install(session, "pytest>=8", "pytest-xdist>=3")
+    _install(session, "numpy", "pytest>=8", "pytest-xdist>=3")
     _run_tests(session)
 
 
 @nox.session(python="3.11")
 def demo(session: nox.Session) -> None:
     """A few training steps of a small MLP under compiled autograd, compared with eager."""
-    _install(session)
+    _install(session, "numpy")
     session.run("python", "examples/train_mlp.py", *session.posargs)
