@@ -108,8 +108,17 @@ ShadowNode& cache_root();
 /// Bumped by clear_cache(); an in-flight capture that sees it change drops its result.
 uint64_t cache_generation();
 
+/// A node's compiled_args failed during the walk; names the node.
+struct WalkError : std::runtime_error {
+  WalkError(std::string node_name, const std::string& reason)
+      : std::runtime_error(reason), node(std::move(node_name)) {}
+  /// Node::name() of the node whose compiled_args threw.
+  std::string node;
+};
+
 /// Walks the graph of `graph_task` from `root` in eager's order, computing
-/// every node's key and lifted values. Throws what compiled_args throws.
+/// every node's key and lifted values. Throws WalkError when a node's
+/// compiled_args throws.
 std::unique_ptr<BackwardState> walk_graph(
     const c10::intrusive_ptr<Node>& root,
     const torch::autograd::GraphTask& graph_task,

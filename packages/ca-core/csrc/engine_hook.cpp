@@ -189,8 +189,8 @@ variable_list compiled_backward(
   std::unique_ptr<BackwardState> state;
   try {
     state = walk_graph(root, graph_task, output_edges);
-  } catch (const c10::Error& e) {
-    report_fallback("graph walk", e.what_without_backtrace());
+  } catch (const WalkError& e) {
+    report_fallback(e.node, e.what());
     return run_eager(root, graph_task);
   }
   state->accumulate_grad = accumulate_grad;

@@ -163,7 +163,7 @@ std::unique_ptr<BackwardState> walk_graph(
     ns.collected =
         std::make_unique<AutogradCompilerCall>(SizeInput::STATIC);
 
-    {
+    try {
       CompiledNodeArgs args(*ns.collected, call);
       args.collect(call);
       if (args.cond(call.needed)) {
@@ -193,6 +193,10 @@ std::unique_ptr<BackwardState> walk_graph(
         }
       }
       cache = cache->lookup(args.key());
+    } catch (const c10::Error& e) {
+      throw WalkError(fn->name(), e.what_without_backtrace());
+    } catch (const std::exception& e) {
+      throw WalkError(fn->name(), e.what());
     }
 
     for (const auto& edge : fn->next_edges()) {

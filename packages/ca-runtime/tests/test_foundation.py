@@ -287,3 +287,22 @@ def test_post_accumulate_grad_hook_runs_in_real_node(backend: str) -> None:
     assert result.stats["captures"] == 1 and result.stats["eager_fallbacks"] == 0
     half = len(calls) // 2
     assert sorted(calls[:half]) == sorted(calls[half:]) and half == 4 * 2
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors:UserWarning")
+def test_node_that_cannot_be_walked_falls_back_naming_it(backend: str) -> None:
+    # Nested tensors fail in the walk itself (compiled_args / input metadata).
+    parts = [torch.randn(2, 3), torch.randn(3, 3)]
+    leaves = []
+
+    def step() -> tuple[torch.Tensor, ...]:
+        x = torch.nested.nested_tensor(parts, requires_grad=True)
+        loss = torch.nested.to_padded_tensor(x * 2, 0.0).sum()
+        loss.backward()
+        leaves.append(x)
+        return x.grad.unbind()
+
+    with pytest.warns(ca_runtime.EagerFallbackWarning, match="ToPaddedTensorBackward0.*NestedTensor"):
+        result = ca_testkit.compare(step, backend)
+    result.assert_ok()
+    assert result.stats["eager_fallbacks"] == 1
