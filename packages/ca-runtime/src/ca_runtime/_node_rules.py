@@ -2,7 +2,9 @@
 
 A rule matches a node's demangled C++ type (``NodeInfo.type_name``) with an
 ``fnmatch`` pattern; the first matching rule wins and the default is to trace
-the node through ``apply_with_saved``.
+the node through ``apply_with_saved``. AccumulateGrad is not a row: ca_core
+decides which nodes it applies after the graph (``NodeInfo.is_accumulate_grad``)
+and the capture must follow that same flag.
 """
 
 from __future__ import annotations
@@ -37,7 +39,6 @@ class NodeRule:
 
 
 NODE_RULES: tuple[NodeRule, ...] = (
-    NodeRule("torch::autograd::AccumulateGrad", Handling.ACCUMULATE),
     NodeRule(
         "torch::autograd::PyNode",
         Handling.UNSUPPORTED,
@@ -51,10 +52,13 @@ NODE_RULES: tuple[NodeRule, ...] = (
 )
 
 _DEFAULT = NodeRule("*", Handling.TRACE)
+_ACCUMULATE = NodeRule("torch::autograd::AccumulateGrad", Handling.ACCUMULATE)
 
 
 def rule_for(node: ca_core.NodeInfo) -> NodeRule:
-    """The first rule whose pattern matches ``node.type_name``."""
+    """ACCUMULATE for ca_core's AccumulateGrad nodes, else the first rule whose pattern matches."""
+    if node.is_accumulate_grad:
+        return _ACCUMULATE
     for rule in NODE_RULES:
         if fnmatch.fnmatchcase(node.type_name, rule.pattern):
             return rule
