@@ -16,6 +16,10 @@
 #include <unordered_map>
 #include <vector>
 
+// Exported by libtorch_python; declared here instead of including
+// <torch/csrc/PyInterpreter.h>, which pulls in pybind11.
+c10::impl::PyInterpreter* getPyInterpreter();
+
 namespace ca {
 
 namespace nb = nanobind;
@@ -41,6 +45,24 @@ to the node, so the walk writes its own graph-wide node ids for every next edge
 into the key; see [Note: Cache key].
 */
 
+/// One tensor pre-hook of a node, in the order eager calls them; see
+/// [Note: Hook order].
+struct TensorPreHook {
+  /// A C++ hook (the node's collected->cpp_tensor_pre_hooks) rather than a
+  /// Python one (collected->hooks).
+  bool is_cpp = false;
+  /// Installed by retain_grad() (always C++).
+  bool retains_grad = false;
+  /// Index into the node's own hook list of that kind.
+  uint32_t hook_id = 0;
+  /// The node input (grad) the hook sees and may replace.
+  uint32_t input_nr = 0;
+  /// A C++ hook without compiled_args (e.g. a C++ Tensor::register_hook on
+  /// a non-leaf): called as a whole, on all the node's input grads, behind a
+  /// graph break. Owned by the node, which the backward keeps alive.
+  torch::autograd::FunctionPreHook* opaque = nullptr;
+};
+
 /// One visited node of the backward being run, in walk order.
 struct NodeState {
   NodeState(uint32_t id, c10::intrusive_ptr<Node> node)
@@ -57,6 +79,8 @@ struct NodeState {
   /// Index into BackwardState::lifted_tensors of each of collected's tensors
   /// (empty for AccumulateGrad); see [Note: Lifted tensor de-duplication].
   std::vector<uint32_t> tensor_slots;
+  /// Tensor pre-hooks (Python, C++, retain_grad) in eager's call order.
+  std::vector<TensorPreHook> tensor_pre_hooks;
 };
 
 struct ShadowNode;
@@ -98,6 +122,10 @@ struct ShadowNode {
   bool first_run = true;
   /// Backwards served by compiled_fn.
   uint64_t hits = 0;
+  /// Walk index of each AccumulateGrad node whose grad the graph returns
+  /// (after the torch.autograd.grad outputs), in output order; the others
+  /// were accumulated inside the graph.
+  std::vector<uint32_t> leaf_outputs;
 
   ShadowNode* lookup(const CacheKey& key);
   void clear();
@@ -130,6 +158,10 @@ std::string node_type_name(const Node& node);
 /// The backward whose compiled graph is running on this thread (or null).
 BackwardState*& active_backward();
 
+/// The node whose apply_with_saved is running on this thread (or null); the
+/// compiler interface's call_unpack reads its saved-tensor hooks.
+NodeState*& applying_node();
+
 /// The ca_runtime object while the engine hook is installed (borrowed), else null.
 PyObject* installed_runtime();
 
@@ -146,6 +178,29 @@ struct InterfaceScope {
   /// this header needs no definition of it.
   std::unique_ptr<torch::dynamo::autograd::PyCompilerGuard> guard_;
 };
+
+/// Borrowed pointer to a Python object torch collected (hook, ctx, packed data).
+inline PyObject* py_object(const c10::SafePyObject& obj) {
+  return obj.ptr(getPyInterpreter());
+}
+
+/// While alive on this thread, ca_core's compiler interface records the
+/// is_traceable flag a C++ Function (CppNode) binds with and returns from
+/// call_function without running the backward. Used to learn, at capture,
+/// whether a CppNode may be traced or needs a graph break.
+struct TraceabilityProbe {
+  TraceabilityProbe();
+  ~TraceabilityProbe();
+  TraceabilityProbe(const TraceabilityProbe&) = delete;
+  TraceabilityProbe& operator=(const TraceabilityProbe&) = delete;
+  /// Set by bind_function during the probe.
+  std::optional<bool> is_traceable;
+
+ private:
+  TraceabilityProbe* prior_;
+};
+/// The probe active on this thread, or null.
+TraceabilityProbe* active_probe();
 
 /// Builds the Python description of a walked backward handed to capture().
 nb::object describe_backward(const BackwardState& state);

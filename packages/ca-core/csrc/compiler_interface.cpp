@@ -2,6 +2,7 @@
 // functional backward each generated node binds, keeps them in a registry,
 // and runs them (and CopySlices' prologue/epilogue) on the values given.
 #include "ca_core.h"
+#include "tensor_caster.h"
 
 #include <ATen/ATen.h>
 
@@ -61,6 +62,9 @@ class CaCompilerInterface final : public PyCompilerInterface {
       std::vector<at::TypePtr> packed_args_schema,
       bool is_custom_function,
       bool is_traceable) const override {
+    if (TraceabilityProbe* probe = active_probe()) {
+      probe->is_traceable = is_traceable;
+    }
     auto& r = registry();
     std::lock_guard<std::mutex> lock(r.mutex);
     r.functionals.insert_or_assign(
@@ -80,6 +84,9 @@ class CaCompilerInterface final : public PyCompilerInterface {
       const variable_list& inputs,
       const ivalue_list& packed_args,
       const c10::IValue& /*output_metadata*/) const override {
+    if (active_probe() != nullptr) {
+      return {};
+    }
     functional_apply_t fn;
     {
       auto& r = registry();
@@ -139,10 +146,19 @@ class CaCompilerInterface final : public PyCompilerInterface {
 
   at::Tensor call_unpack(
       PyObject* /*py_compiler*/,
-      std::optional<size_t> /*hook_id*/,
-      size_t /*hook_input_id*/) const override {
-    TORCH_CHECK_NOT_IMPLEMENTED(
-        false, "ca_core: saved tensors with unpack hooks are not supported yet");
+      std::optional<size_t> hook_id,
+      size_t hook_input_id) const override {
+    // A saved tensor with an unpack hook, met while its node is applied
+    // (always eagerly, behind a graph break): run the hook on its packed
+    // data, exactly once per unpack as the eager engine does.
+    NodeState* ns = applying_node();
+    TORCH_INTERNAL_ASSERT(ns != nullptr && ns->collected && hook_id.has_value());
+    const AutogradCompilerCall& collected = *ns->collected;
+    PyObject* hook = py_object(collected.hooks.at(*hook_id));
+    PyObject* packed = py_object(collected.packed_inputs.at(hook_input_id));
+    nb::gil_scoped_acquire gil;
+    nb::object result = nb::steal(check_py(PyObject_CallOneArg(hook, packed)));
+    return unpack_tensor(result.ptr(), "the result of a saved-tensor unpack hook");
   }
 
   at::Tensor call_accumulate_grad(
@@ -157,7 +173,17 @@ class CaCompilerInterface final : public PyCompilerInterface {
   }
 };
 
+thread_local TraceabilityProbe* t_probe = nullptr;
+
 } // namespace
+
+TraceabilityProbe::TraceabilityProbe() : prior_(std::exchange(t_probe, this)) {}
+TraceabilityProbe::~TraceabilityProbe() {
+  t_probe = prior_;
+}
+TraceabilityProbe* active_probe() {
+  return t_probe;
+}
 
 InterfaceScope::InterfaceScope()
     : guard_(std::make_unique<PyCompilerGuard>(

@@ -9,6 +9,9 @@
 #include <torch/csrc/autograd/input_buffer.h>
 
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <optional>
 
 namespace ca {
 
@@ -119,12 +122,15 @@ void report_fallback(const std::string& node, const std::string& reason) {
   runtime.attr("report_fallback")(node, reason);
 }
 
-/// The graph's inputs: the de-duplicated lifted tensors, and every
-/// non-AccumulateGrad node's sizes and scalars in walk order.
+/// The graph's inputs: the de-duplicated lifted tensors, every
+/// non-AccumulateGrad node's sizes and scalars in walk order, and every
+/// node's collected Python objects (hooks, Function ctx, packed saved data)
+/// in walk order.
 struct GraphArgs {
   nb::list tensors;
   nb::list sizes;
   nb::list scalars;
+  nb::list hooks;
   std::vector<int64_t> size_values;
 };
 
@@ -139,6 +145,9 @@ GraphArgs lift_args(const BackwardState& state) {
     }
     for (const auto& size : ns.collected->all_size_inputs) {
       args.size_values.push_back(size.value);
+    }
+    for (const auto& hook : ns.collected->hooks) {
+      args.hooks.append(nb::handle(py_object(hook)));
     }
     if (ns.is_accumulate_grad) {
       continue;
@@ -160,24 +169,42 @@ GraphArgs lift_args(const BackwardState& state) {
 
 /// Applies the graph's leaf grads through the real AccumulateGrad nodes, which
 /// gives eager's stealing, layout and post-accumulate-grad-hook behaviour.
-void accumulate_leaf_grads(BackwardState& state, variable_list& leaf_grads) {
-  size_t k = 0;
-  for (auto& ns : state.nodes) {
-    if (!ns.is_accumulate_grad || !ns.call.needed) {
-      continue;
-    }
+void accumulate_leaf_grads(
+    BackwardState& state,
+    const std::vector<uint32_t>& leaf_outputs,
+    variable_list& leaf_grads) {
+  TORCH_CHECK(
+      leaf_grads.size() == leaf_outputs.size(),
+      "ca_core: compiled backward returned ",
+      leaf_grads.size(),
+      " leaf grads, expected ",
+      leaf_outputs.size());
+  for (size_t k = 0; k < leaf_outputs.size(); ++k) {
+    NodeState& ns = state.nodes.at(leaf_outputs[k]);
+    TORCH_INTERNAL_ASSERT(ns.is_accumulate_grad);
     variable_list inputs;
-    inputs.emplace_back(std::move(leaf_grads.at(k++)));
+    inputs.emplace_back(std::move(leaf_grads[k]));
     (*ns.call.node)(std::move(inputs));
   }
 }
 
-variable_list compiled_backward(
+/// The (compiled, leaf_outputs) pair capture() returns, or nullopt for None.
+std::optional<std::pair<nb::object, std::vector<uint32_t>>> unpack_capture(
+    nb::handle result) {
+  if (result.is_none()) {
+    return std::nullopt;
+  }
+  nb::tuple pair = nb::cast<nb::tuple>(result);
+  TORCH_CHECK(nb::len(pair) == 2, "ca_core: capture() must return (compiled, leaf_outputs) or None");
+  return std::make_pair(
+      nb::borrow(pair[0]), nb::cast<std::vector<uint32_t>>(pair[1]));
+}
+
+variable_list compiled_backward_with_gil(
     const c10::intrusive_ptr<Node>& root,
     const GraphTask& graph_task,
     bool accumulate_grad,
     const torch::autograd::edge_list& output_edges) {
-  GilAcquire gil;
   at::ThreadLocalStateGuard tls_guard(graph_task.thread_locals_);
   if (t_hook_depth > 0 || g_runtime == nullptr) {
     // A backward started inside a compiled backward (hooks, checkpoint) runs
@@ -209,16 +236,20 @@ variable_list compiled_backward(
   const bool hit =
       entry->compiled_fn.is_valid() && entry->expected_sizes == args.size_values;
   nb::object compiled;
+  std::vector<uint32_t> leaf_outputs;
   bool first_run = false;
+  // capture() may probe nodes and the graph runs them: both need the state.
+  ActiveBackwardGuard active(state.get());
   if (hit) {
     ++g_counters.cache_hits;
     ++entry->hits;
     compiled = entry->compiled_fn;
+    leaf_outputs = entry->leaf_outputs;
     first_run = entry->first_run;
   } else {
     nb::object description = describe_backward(*state);
-    compiled = runtime.attr("capture")(description);
-    if (compiled.is_none()) {
+    auto captured = unpack_capture(runtime.attr("capture")(description));
+    if (!captured) {
       if (entry_alive()) {
         entry->failed = true;
       }
@@ -226,8 +257,11 @@ variable_list compiled_backward(
       return run_eager(root, graph_task);
     }
     ++g_counters.captures;
+    compiled = std::move(captured->first);
+    leaf_outputs = std::move(captured->second);
     if (entry_alive()) {
       entry->compiled_fn = compiled;
+      entry->leaf_outputs = leaf_outputs;
       entry->expected_sizes = args.size_values;
       entry->first_run = true;
     }
@@ -236,12 +270,13 @@ variable_list compiled_backward(
 
   nb::object result;
   {
-    ActiveBackwardGuard active(state.get());
     if (first_run) {
       // A failure of a fresh graph is a compile failure: the runtime warns and
-      // returns None, and the backward runs eagerly.
+      // returns None, and the backward runs eagerly. An exception raised by
+      // user code (a hook, a Function's backward) propagates instead; see
+      // [Note: Capture methods].
       result = runtime.attr("run_first")(
-          compiled, args.tensors, args.sizes, args.scalars);
+          compiled, args.tensors, args.sizes, args.scalars, args.hooks);
       if (result.is_none()) {
         if (entry_alive()) {
           entry->failed = true;
@@ -259,6 +294,7 @@ variable_list compiled_backward(
           args.tensors.ptr(),
           args.sizes.ptr(),
           args.scalars.ptr(),
+          args.hooks.ptr(),
           nullptr)));
     }
   }
@@ -290,7 +326,7 @@ variable_list compiled_backward(
       }
     }
   }
-  accumulate_leaf_grads(*state, leaf_grads);
+  accumulate_leaf_grads(*state, leaf_outputs, leaf_grads);
 
   if (!state->keep_graph) {
     for (auto& ns : state->nodes) {
@@ -300,6 +336,26 @@ variable_list compiled_backward(
     }
   }
   return outputs;
+}
+
+/// The function installed in the engine. A Python exception (a user hook's)
+/// leaves as torch's python_error, which backward()'s caller re-raises
+/// unchanged; nanobind's own error type would reach the user as a
+/// RuntimeError holding the traceback text.
+variable_list compiled_backward(
+    const c10::intrusive_ptr<Node>& root,
+    const GraphTask& graph_task,
+    bool accumulate_grad,
+    const torch::autograd::edge_list& output_edges) {
+  GilAcquire gil;
+  try {
+    return compiled_backward_with_gil(
+        root, graph_task, accumulate_grad, output_edges);
+  } catch (nb::python_error& e) {
+    e.restore();
+    check_py(nullptr);
+    throw; // unreachable: check_py(nullptr) always throws
+  }
 }
 
 } // namespace

@@ -8,6 +8,7 @@
 #include <cxxabi.h>
 
 #include <queue>
+#include <string_view>
 #include <typeinfo>
 
 namespace ca {
@@ -45,6 +46,17 @@ its key (one collect_size per tensor), so a later backward with the same key
 path has the same aliasing and the graph built for the first stays valid.
 AccumulateGrad's tensors are not graph inputs (the node runs after the graph).
 
+[Note: Hook order]
+The eager engine calls a node's tensor pre-hooks in registration order, Python
+and C++ ones interleaved, then its retain_grad hooks, then its grad_fn
+pre-hooks, the node, and its post-hooks. torch's NodeCall keeps Python and C++
+tensor pre-hooks in two separate lists, which loses the interleaving, so the
+walk visits the hooks itself (collect_hooks below) and records each tensor
+pre-hook in NodeState::tensor_pre_hooks in the order eager calls it. The hook
+objects themselves are not part of the key, only their number and position:
+they are passed to the graph on every backward (the graph's `hooks` input), so
+a new closure registered at the same place is served by the same graph.
+
 [Note: Cache and the GIL]
 Every read and write of the cache tree happens with the GIL held and without
 running Python code in between, so the GIL serialises threads for us. Python
@@ -73,6 +85,7 @@ void ShadowNode::clear() {
   failed = false;
   first_run = true;
   hits = 0;
+  leaf_outputs.clear();
 }
 
 namespace {
@@ -86,6 +99,64 @@ struct LaterSequenceFirst {
     return a->sequence_nr() < b->sequence_nr();
   }
 };
+
+/// collect(NodeCall) with the tensor pre-hook order recorded; see [Note: Hook order].
+void collect_node_call(CompiledNodeArgs& args, NodeState& ns, Node* fn) {
+  NodeCall& call = ns.call;
+  args.collect_size(call.id);
+  args.collect(call.graph_output);
+  auto record_new = [&](size_t py_before, size_t cpp_before, bool retains) {
+    for (size_t i = py_before; i < call.tensor_pre_hooks.size(); ++i) {
+      const auto& [id, input_nr] = call.tensor_pre_hooks[i];
+      ns.tensor_pre_hooks.push_back(TensorPreHook{
+          false, false, static_cast<uint32_t>(id), static_cast<uint32_t>(input_nr)});
+    }
+    for (size_t i = cpp_before; i < call.cpp_tensor_pre_hooks.size(); ++i) {
+      const auto& [id, input_nr] = call.cpp_tensor_pre_hooks[i];
+      ns.tensor_pre_hooks.push_back(TensorPreHook{
+          true, retains, static_cast<uint32_t>(id), static_cast<uint32_t>(input_nr)});
+    }
+  };
+  for (const auto& hook : fn->tensor_pre_hooks()) {
+    const size_t py = call.tensor_pre_hooks.size();
+    const size_t cpp = call.cpp_tensor_pre_hooks.size();
+    try {
+      hook->compiled_args(args);
+    } catch (const c10::NotImplementedError& e) {
+      // FunctionPreHook's default compiled_args throws before collecting
+      // anything; such a hook is called whole, eagerly.
+      if (std::string_view(e.what_without_backtrace())
+              .rfind("compiled_args nyi", 0) != 0) {
+        throw;
+      }
+      ns.tensor_pre_hooks.push_back(TensorPreHook{true, false, 0, 0, hook.get()});
+      args.collect(std::string(typeid(*hook).name()));
+      continue;
+    }
+    record_new(py, cpp, false);
+  }
+  for (const auto& [_, hook] : fn->retains_grad_hooks()) {
+    const size_t py = call.tensor_pre_hooks.size();
+    const size_t cpp = call.cpp_tensor_pre_hooks.size();
+    hook->compiled_args(args);
+    record_new(py, cpp, true);
+  }
+  for (const auto& hook : fn->pre_hooks()) {
+    hook->compiled_args(args);
+  }
+  for (const auto& hook : fn->post_hooks()) {
+    hook->compiled_args(args);
+  }
+  args.collect_size(ns.tensor_pre_hooks.size());
+  for (const auto& h : ns.tensor_pre_hooks) {
+    args.collect(h.opaque != nullptr);
+    args.collect(h.is_cpp);
+    args.collect(h.retains_grad);
+    args.collect_size(h.input_nr);
+  }
+  args.collect_size(call.pre_hooks.size());
+  args.collect_size(call.post_hooks.size());
+}
 
 } // namespace
 
@@ -165,9 +236,11 @@ std::unique_ptr<BackwardState> walk_graph(
 
     try {
       CompiledNodeArgs args(*ns.collected, call);
-      args.collect(call);
+      collect_node_call(args, ns, fn);
       if (args.cond(call.needed)) {
         fn->compiled_args(args);
+        // Saved tensors with unpack hooks are not lifted; their number matters.
+        args.collect_size(ns.collected->sv_to_hooks.size());
         ns.num_apply_sizes =
             static_cast<uint32_t>(ns.collected->all_size_inputs.size());
         if (!ns.is_accumulate_grad) {

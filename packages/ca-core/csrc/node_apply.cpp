@@ -5,7 +5,13 @@
 #include "ca_core.h"
 #include "tensor_caster.h"
 
+#include <torch/csrc/Device.h>
+#include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/python_function.h>
+
+#include <cstring>
+#include <typeinfo>
 
 #include <nanobind/stl/map.h>
 #include <nanobind/stl/optional.h>
@@ -19,6 +25,44 @@ using torch::dynamo::autograd::SwapSavedVariables;
 using torch::dynamo::autograd::TraceState;
 
 namespace {
+
+/// How to make the zeros a Python Function's backward sees for an undefined grad.
+struct ZerosSpec {
+  /// Shape of the forward output.
+  std::vector<int64_t> shape;
+  /// torch.dtype of the forward output.
+  nb::object dtype;
+  /// torch.device of the forward output.
+  nb::object device;
+};
+
+/// What capture() needs to call a Python torch.autograd.Function's backward
+/// itself (torch::autograd::PyNode); see [Note: Python Functions in the graph].
+struct FunctionInfo {
+  /// Index in the graph's `hooks` list of the node's ctx object.
+  uint32_t ctx_hook = 0;
+  /// Per tensor in ctx.saved_tensors: its slot in the graph's `inputs`, or
+  /// None for a saved None.
+  std::vector<std::optional<uint32_t>> saved_slots;
+  /// Per forward input: whether it was a tensor (the backward returns one
+  /// value per forward input; only tensors' grads flow on).
+  std::vector<bool> is_variable_input;
+  /// Per node input: zeros to pass when the grad is undefined, or None to
+  /// pass None (ctx.set_materialize_grads(False), non-differentiable output).
+  std::vector<std::optional<ZerosSpec>> materialize;
+};
+
+/// One tensor pre-hook as capture() sees it.
+struct TensorPreHookInfo {
+  /// "python", "cpp", "retains_grad" or "opaque" (a C++ hook called on all
+  /// the node's input grads, for call_opaque_tensor_pre_hook).
+  std::string kind;
+  /// Python hooks: index in the graph's `hooks` list; C++ hooks: the node's
+  /// own C++ hook id (for call_cpp_tensor_pre_hook).
+  uint32_t hook = 0;
+  /// The node input whose grad the hook sees.
+  uint32_t input_nr = 0;
+};
 
 /// What capture() needs to know about one node (a plain copy, made on a miss).
 struct NodeInfo {
@@ -57,6 +101,16 @@ struct NodeInfo {
   uint32_t scalar_offset = 0;
   /// How many scalars the node lifted.
   uint32_t num_scalars = 0;
+  /// Tensor pre-hooks in eager's call order; see [Note: Hook order].
+  std::vector<TensorPreHookInfo> tensor_pre_hooks;
+  /// grad_fn pre-hooks (register_prehook): indices in the graph's `hooks`.
+  std::vector<uint32_t> pre_hooks;
+  /// grad_fn post-hooks (register_hook): indices in the graph's `hooks`.
+  std::vector<uint32_t> post_hooks;
+  /// Saved tensors whose unpack hook runs when the node is applied.
+  uint32_t num_saved_tensor_hooks = 0;
+  /// Set for a Python torch.autograd.Function the graph can call directly.
+  std::optional<FunctionInfo> function;
 };
 
 /// What capture() gets for one backward.
@@ -77,6 +131,20 @@ struct BackwardGraph {
   bool create_graph = false;
   /// False for torch.autograd.grad.
   bool accumulate_grad = true;
+};
+
+/// Sets applying_node() for the scope of one apply_with_saved.
+struct ApplyingNodeGuard {
+  explicit ApplyingNodeGuard(NodeState* ns)
+      : prior_(std::exchange(applying_node(), ns)) {}
+  ~ApplyingNodeGuard() {
+    applying_node() = prior_;
+  }
+  ApplyingNodeGuard(const ApplyingNodeGuard&) = delete;
+  ApplyingNodeGuard& operator=(const ApplyingNodeGuard&) = delete;
+
+ private:
+  NodeState* prior_;
 };
 
 BackwardState& require_active(uint32_t node_idx, const char* fn) {
@@ -189,6 +257,7 @@ variable_list apply_with_saved(
 
   variable_list outputs;
   {
+    ApplyingNodeGuard applying(&ns);
     InterfaceScope interface;
     SwapSavedVariables swap(collected, trace, installed_runtime(), ns.call);
     outputs = ns.call.node->apply_with_saved(grads, swap);
@@ -230,11 +299,154 @@ variable_list validate_outputs(
   return grads;
 }
 
+bool probe_traceable(uint32_t node_idx) {
+  BackwardState& state = require_active(node_idx, "probe_traceable");
+  NodeState& ns = state.nodes[node_idx];
+  AutogradCompilerCall& collected = *ns.collected;
+  TORCH_CHECK(
+      collected.sv_to_hooks.empty(),
+      "probe_traceable: ",
+      ns.call.node->name(),
+      " has saved-tensor hooks; probing would run them");
+  // The node's own values stand in for the graph's: nothing is computed,
+  // the probe only lets the node reach bind_function.
+  for (const auto& t : collected.tensor_args.inputs) {
+    collected.tensor_args.lookup(t).proxy_tensor = t;
+  }
+  for (auto& arg : collected.lifted_ivalue_args.args) {
+    arg.proxy = *arg.actual_ptr;
+  }
+  collected.lifted_ivalue_args.next = 0;
+  TraceState trace(
+      std::vector<std::optional<c10::SymInt>>(ns.num_apply_sizes), 0);
+  TraceabilityProbe probe;
+  {
+    ApplyingNodeGuard applying(&ns);
+    InterfaceScope interface;
+    SwapSavedVariables swap(collected, trace, installed_runtime(), ns.call);
+    ns.call.node->apply_with_saved(
+        variable_list(ns.call.node->num_inputs()), swap);
+  }
+  for (const auto& t : collected.tensor_args.inputs) {
+    collected.tensor_args.lookup(t).proxy_tensor = at::Tensor();
+  }
+  for (auto& arg : collected.lifted_ivalue_args.args) {
+    arg.proxy = at::IValue::uninitialized();
+  }
+  // A node that never binds computes in C++ on whatever it is given.
+  return probe.is_traceable.value_or(true);
+}
+
+at::Tensor call_cpp_tensor_pre_hook(
+    uint32_t node_idx,
+    uint32_t hook_id,
+    const at::Tensor& grad) {
+  BackwardState& state = require_active(node_idx, "call_cpp_tensor_pre_hook");
+  auto& hooks = state.nodes[node_idx].collected->cpp_tensor_pre_hooks;
+  if (hook_id >= hooks.size()) {
+    throw nb::value_error(
+        ("call_cpp_tensor_pre_hook: hook_id " + std::to_string(hook_id) +
+         " out of range")
+            .c_str());
+  }
+  // torch's wrapper returns the grad itself when the hook returns nothing.
+  return at::Tensor(hooks[hook_id](grad));
+}
+
+variable_list call_opaque_tensor_pre_hook(
+    uint32_t node_idx,
+    uint32_t hook_index,
+    nb::handle grads) {
+  BackwardState& state =
+      require_active(node_idx, "call_opaque_tensor_pre_hook");
+  const auto& hooks = state.nodes[node_idx].tensor_pre_hooks;
+  if (hook_index >= hooks.size() || hooks[hook_index].opaque == nullptr) {
+    throw nb::value_error(
+        ("call_opaque_tensor_pre_hook: no opaque hook " +
+         std::to_string(hook_index) + " on node " + std::to_string(node_idx))
+            .c_str());
+  }
+  return (*hooks[hook_index].opaque)(unpack_list(grads, "grads"));
+}
+
+void accumulate_grad_now(uint32_t node_idx, const at::Tensor& grad) {
+  BackwardState& state = require_active(node_idx, "accumulate_grad_now");
+  NodeState& ns = state.nodes[node_idx];
+  if (!ns.is_accumulate_grad) {
+    throw nb::value_error(
+        ("accumulate_grad_now: node " + std::to_string(node_idx) + " (" +
+         ns.call.node->name() + ") is not an AccumulateGrad node")
+            .c_str());
+  }
+  variable_list inputs;
+  inputs.push_back(grad);
+  (*ns.call.node)(std::move(inputs));
+}
+
+/// The FunctionInfo of a PyNode the graph can call directly, or nullopt.
+std::optional<FunctionInfo> describe_function(
+    const NodeState& ns,
+    uint32_t hook_offset) {
+  // PyNode's typeinfo is not exported by libtorch_python, so no dynamic_cast:
+  // compare the mangled type name instead.
+  Node* node = ns.call.node.get();
+  if (std::strcmp(typeid(*node).name(), "N5torch8autograd6PyNodeE") != 0) {
+    return std::nullopt;
+  }
+  auto* py_node = static_cast<torch::autograd::PyNode*>(node);
+  if (!ns.collected || !ns.call.needed ||
+      !ns.collected->sv_to_hooks.empty()) {
+    return std::nullopt;
+  }
+  AutogradCompilerCall& collected = *ns.collected;
+  auto objs = collected.pynode_objs.find(py_node);
+  if (objs == collected.pynode_objs.end()) {
+    return std::nullopt;
+  }
+  auto* f = reinterpret_cast<THPFunction*>(py_node->pyobj());
+  FunctionInfo info;
+  info.ctx_hook = hook_offset + static_cast<uint32_t>(std::get<0>(objs->second));
+  for (const auto& sv : f->saved_variables) {
+    const auto& arg = collected.tensor_args.lookup(sv);
+    if (arg.defined()) {
+      info.saved_slots.emplace_back(ns.tensor_slots.at(arg.index()));
+    } else {
+      info.saved_slots.emplace_back(std::nullopt);
+    }
+  }
+  info.is_variable_input = f->is_variable_input;
+  const size_t num_inputs = py_node->num_inputs();
+  info.materialize.resize(num_inputs);
+  for (size_t i = 0; i < num_inputs && i < f->output_info.size(); ++i) {
+    const bool keep_undefined = !f->materialize_grads ||
+        (py_node->input_metadata(i).was_default_constructed() &&
+         !f->materialize_non_diff_grads);
+    if (keep_undefined) {
+      continue;
+    }
+    const auto& out = f->output_info[i];
+    ZerosSpec spec;
+    for (const auto& s : out.size) {
+      spec.shape.push_back(s.guard_int(__FILE__, __LINE__));
+    }
+    spec.dtype = nb::borrow(
+        reinterpret_cast<PyObject*>(torch::getTHPDtype(out.scalar_type)));
+    spec.device = nb::steal(check_py(THPDevice_New(out.device)));
+    info.materialize[i] = std::move(spec);
+  }
+  return info;
+}
+
 } // namespace
 
 BackwardState*& active_backward() {
   thread_local BackwardState* state = nullptr;
   return state;
+}
+
+NodeState*& applying_node() {
+  thread_local NodeState* ns = nullptr;
+  return ns;
 }
 
 nb::object describe_backward(const BackwardState& state) {
@@ -245,6 +457,7 @@ nb::object describe_backward(const BackwardState& state) {
   graph.create_graph = state.create_graph;
   graph.accumulate_grad = state.accumulate_grad;
   graph.nodes.reserve(state.nodes.size());
+  uint32_t hook_offset = 0;
   for (size_t i = 0; i < state.nodes.size(); ++i) {
     const NodeState& ns = state.nodes[i];
     const Node& node = *ns.call.node;
@@ -293,6 +506,28 @@ nb::object describe_backward(const BackwardState& state) {
         info.num_scalars = static_cast<uint32_t>(
             ns.collected->lifted_ivalue_args.args.size());
       }
+      for (size_t k = 0; k < ns.tensor_pre_hooks.size(); ++k) {
+        const TensorPreHook& h = ns.tensor_pre_hooks[k];
+        if (h.opaque != nullptr) {
+          info.tensor_pre_hooks.push_back(
+              TensorPreHookInfo{"opaque", static_cast<uint32_t>(k), 0});
+          continue;
+        }
+        info.tensor_pre_hooks.push_back(TensorPreHookInfo{
+            h.retains_grad ? "retains_grad" : (h.is_cpp ? "cpp" : "python"),
+            h.is_cpp ? h.hook_id : hook_offset + h.hook_id,
+            h.input_nr});
+      }
+      for (int id : call.pre_hooks) {
+        info.pre_hooks.push_back(hook_offset + static_cast<uint32_t>(id));
+      }
+      for (int id : call.post_hooks) {
+        info.post_hooks.push_back(hook_offset + static_cast<uint32_t>(id));
+      }
+      info.num_saved_tensor_hooks =
+          static_cast<uint32_t>(ns.collected->sv_to_hooks.size());
+      info.function = describe_function(ns, hook_offset);
+      hook_offset += static_cast<uint32_t>(ns.collected->hooks.size());
     }
     graph.num_scalars += info.num_scalars;
   }
@@ -300,6 +535,19 @@ nb::object describe_backward(const BackwardState& state) {
 }
 
 void register_node_apply(nb::module_& m) {
+  nb::class_<ZerosSpec>(m, "ZerosSpec", "Zeros a Python Function's backward gets for an undefined grad.")
+      .def_ro("shape", &ZerosSpec::shape)
+      .def_ro("dtype", &ZerosSpec::dtype)
+      .def_ro("device", &ZerosSpec::device);
+  nb::class_<FunctionInfo>(m, "FunctionInfo", "How the graph calls a Python autograd.Function's backward.")
+      .def_ro("ctx_hook", &FunctionInfo::ctx_hook)
+      .def_ro("saved_slots", &FunctionInfo::saved_slots)
+      .def_ro("is_variable_input", &FunctionInfo::is_variable_input)
+      .def_ro("materialize", &FunctionInfo::materialize);
+  nb::class_<TensorPreHookInfo>(m, "TensorPreHookInfo", "One tensor pre-hook of a node.")
+      .def_ro("kind", &TensorPreHookInfo::kind)
+      .def_ro("hook", &TensorPreHookInfo::hook)
+      .def_ro("input_nr", &TensorPreHookInfo::input_nr);
   nb::class_<NodeInfo>(m, "NodeInfo", "One node of a walked backward, as capture() sees it.")
       .def_ro("index", &NodeInfo::index)
       .def_ro("name", &NodeInfo::name)
@@ -317,6 +565,11 @@ void register_node_apply(nb::module_& m) {
       .def_ro("num_validate_sizes", &NodeInfo::num_validate_sizes)
       .def_ro("scalar_offset", &NodeInfo::scalar_offset)
       .def_ro("num_scalars", &NodeInfo::num_scalars)
+      .def_ro("tensor_pre_hooks", &NodeInfo::tensor_pre_hooks)
+      .def_ro("pre_hooks", &NodeInfo::pre_hooks)
+      .def_ro("post_hooks", &NodeInfo::post_hooks)
+      .def_ro("num_saved_tensor_hooks", &NodeInfo::num_saved_tensor_hooks)
+      .def_ro("function", &NodeInfo::function)
       .def("__repr__", [](const NodeInfo& n) {
         return "NodeInfo(" + std::to_string(n.index) + ", " + n.name + ")";
       });
@@ -341,6 +594,37 @@ void register_node_apply(nb::module_& m) {
       "Runs node `node_idx` of the running backward on `inputs` with its "
       "saved tensors, sizes (None keeps the node's own) and scalars replaced "
       "by the values given; returns its output grads (None = undefined).");
+  m.def(
+      "probe_traceable",
+      &probe_traceable,
+      nb::arg("node_idx"),
+      "Whether node `node_idx` of the running backward may be traced: False "
+      "for a C++ torch::autograd::Function with is_traceable = false. Only "
+      "meaningful during capture.");
+  m.def(
+      "call_cpp_tensor_pre_hook",
+      &call_cpp_tensor_pre_hook,
+      nb::arg("node_idx"),
+      nb::arg("hook_id"),
+      nb::arg("grad").none(),
+      "Runs C++ tensor pre-hook `hook_id` of node `node_idx` (a C++ "
+      "register_hook or retain_grad) on `grad`; returns the grad to use.");
+  m.def(
+      "call_opaque_tensor_pre_hook",
+      &call_opaque_tensor_pre_hook,
+      nb::arg("node_idx"),
+      nb::arg("hook_index"),
+      nb::arg("grads"),
+      "Runs tensor pre-hook `hook_index` (a position in the node's hook "
+      "order) of node `node_idx`, a C++ hook without compiled_args, on all the "
+      "node's input grads; returns them as the hook left them.");
+  m.def(
+      "accumulate_grad_now",
+      &accumulate_grad_now,
+      nb::arg("node_idx"),
+      nb::arg("grad").none(),
+      "Runs AccumulateGrad node `node_idx` of the running backward on `grad` "
+      "now (accumulation into .grad and post-accumulate-grad hooks).");
   m.def(
       "validate_outputs",
       &validate_outputs,

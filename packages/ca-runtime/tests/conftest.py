@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
+from pathlib import Path
+from types import ModuleType
+
 import ca_core
 import ca_runtime
 import pytest
@@ -23,3 +28,22 @@ def clean_state():
     yield
     ca_core.uninstall_engine_hook()
     ca_runtime.reset()
+
+
+@pytest.fixture(scope="session")
+def cpp_ext() -> ModuleType:
+    """C++ autograd Functions and hooks from cpp/functions.cpp, built once.
+
+    The build directory is fixed so that pytest-xdist workers share one build
+    (torch's cpp_extension serialises them with a lock file).
+    """
+    from torch.utils.cpp_extension import load
+
+    build_dir = Path(tempfile.gettempdir()) / f"ca_runtime_test_ext_{torch.__version__}"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    return load(
+        name="ca_runtime_test_functions",
+        sources=[os.fspath(Path(__file__).parent / "cpp" / "functions.cpp")],
+        build_directory=os.fspath(build_dir),
+        verbose=False,
+    )

@@ -139,7 +139,17 @@ class Cube(torch.autograd.Function):
         return 3 * a * a * grad
 
 
-def test_unsupported_node_falls_back_with_one_warning(backend: str) -> None:
+def test_unsupported_node_falls_back_with_one_warning(
+    backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # No built-in rule declares a node unsupported any more; a row added to
+    # the table exercises the whole-backward fallback it would cause.
+    from ca_runtime import _node_rules
+
+    row = _node_rules.NodeRule(
+        "torch::autograd::PyNode", _node_rules.Handling.UNSUPPORTED, "declared unsupported", name="Cube*"
+    )
+    monkeypatch.setattr(_node_rules, "NODE_RULES", (row, *_node_rules.NODE_RULES))
     model = make_mlp()
 
     def step(i: int) -> torch.Tensor:
@@ -244,9 +254,10 @@ HOOKED_STEPS = {
 
 
 @pytest.mark.parametrize("kind", sorted(HOOKED_STEPS))
-def test_hooks_not_captured_yet_fall_back_to_eager(backend: str, kind: str) -> None:
-    # Until hooks are proxied into the graph, a hooked backward must still give
-    # eager's grads (whole-backward fallback), never silently skip the hook.
+@pytest.mark.filterwarnings("ignore::ca_runtime.GraphBreakWarning")
+def test_hooks_are_captured_without_fallback(backend: str, kind: str) -> None:
+    # Each hook kind runs in (or beside, for retain_grad) the compiled graph:
+    # eager's grads, no whole-backward fallback, never a skipped hook.
     w = torch.randn(4, 4, requires_grad=True)
     retained = []
 
@@ -262,10 +273,12 @@ def test_hooks_not_captured_yet_fall_back_to_eager(backend: str, kind: str) -> N
             retained.append(h.grad.clone())
         return loss
 
-    with pytest.warns(ca_runtime.EagerFallbackWarning, match="not captured yet"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ca_runtime.EagerFallbackWarning)
         result = ca_testkit.compare(step, backend, tensors={"w": w})
     result.assert_ok()
-    assert result.stats["eager_fallbacks"] == 1
+    assert result.stats["eager_fallbacks"] == 0
+    assert result.stats["captures"] == 1
     if kind == "retain_grad":
         assert torch.equal(retained[0], retained[1])
 

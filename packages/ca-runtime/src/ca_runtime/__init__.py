@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from ca_runtime._capture import build_graph_module
 from ca_runtime._enable import disable, enable, reset, stats
-from ca_runtime._log import EagerFallbackWarning
+from ca_runtime._log import EagerFallbackWarning, GraphBreakWarning
 from ca_runtime._runtime import Runtime
 
 __all__ = [
     "EagerFallbackWarning",
+    "GraphBreakWarning",
     "Runtime",
     "build_graph_module",
     "disable",

@@ -1,28 +1,50 @@
 """Capture: turns a walked backward (``ca_core.BackwardGraph``) into an FX graph.
 
-The graph is the eager engine's loop written out for this one graph: for every
-node in eager's order, take its input buffer, call ``apply_with_saved`` with
-the node's own slice of the lifted tensors and scalars, ``validate_outputs``,
-and add each output grad into the buffer of the node its edge leads to
-(``accumulate`` when two grads meet). Inputs of AccumulateGrad nodes and the
-buffers ``torch.autograd.grad`` asked for become the graph's outputs::
+The graph is the eager engine's loop written out for this one graph. For every
+node in eager's order, as the engine's ``call_function`` does:
 
-    def forward(inputs, sizes, scalars) -> [*grad_outputs, *leaf_grads]
+1. tensor pre-hooks on its input grads (Python hooks inlined, C++ hooks and
+   ``retain_grad`` behind a graph break), in registration order;
+2. grad_fn pre-hooks;
+3. the node: ``apply_with_saved`` with its own slice of the lifted tensors
+   and scalars, a Python Function's backward called directly, or either
+   behind a graph break (see [Note: Graph call kinds]);
+4. ``validate_outputs``, then grad_fn post-hooks;
+5. each output grad added into the buffer of the node its edge leads to.
+
+Inputs of AccumulateGrad nodes and the buffers ``torch.autograd.grad`` asked
+for become the graph's outputs::
+
+    def forward(inputs, sizes, scalars, hooks) -> [*grad_outputs, *leaf_grads]
+
+``hooks`` holds every Python object the walk collected (hook functions,
+Function ctx objects) in walk order; NodeInfo gives each one's index.
+
+[Note: Leaf accumulation order]
+ca_core applies the graph's leaf grads through the real AccumulateGrad nodes
+after the graph has run (eager's stealing and layout rules, and the
+post-accumulate-grad hooks, for free). That moves a leaf's accumulation after
+every hook of the graph. Where a post-accumulate-grad hook would then run
+after a hook or Function backward that eager runs after it, the leaf is
+accumulated inside the graph instead, at its eager position, behind a graph
+break (``accumulate_grad_now``). Reading a leaf's ``.grad`` from a hook of a
+later node still sees the value before this backward: a known difference.
 """
 
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass, field
 from typing import Any
 
 import ca_core
 import torch
 import torch.fx
 
-from ca_runtime._graph_ops import accumulate, apply_with_saved, validate_outputs
-from ca_runtime._node_rules import Handling, rule_for, unsupported_hooks
+from ca_runtime import _graph_ops as ops
+from ca_runtime._node_rules import HOOK_RULES, Handling, rule_for
 
-__all__ = ["UnsupportedNode", "build_graph_module"]
+__all__ = ["Capture", "GraphBreak", "UnsupportedNode", "build_graph_module"]
 
 
 class UnsupportedNode(Exception):
@@ -35,56 +57,209 @@ class UnsupportedNode(Exception):
         self.reason = reason
 
 
-def build_graph_module(graph: ca_core.BackwardGraph) -> torch.fx.GraphModule:
+@dataclass(frozen=True)
+class GraphBreak:
+    """One call of the graph that runs eagerly behind a graph break."""
+
+    node_name: str
+    node_index: int
+    reason: str
+
+
+@dataclass
+class Capture:
+    """What ``build_graph_module`` made of one backward."""
+
+    graph_module: torch.fx.GraphModule
+    #: Walk index of each AccumulateGrad node whose grad the graph returns.
+    leaf_outputs: list[int]
+    graph_breaks: list[GraphBreak] = field(default_factory=list)
+
+
+#: Calls that run user code or mutate state: kept even when their result is unused.
+_EFFECTFUL = frozenset(
+    {
+        ops.accumulate_grad_now,
+        ops.apply_with_saved_eager,
+        ops.call_cpp_tensor_pre_hook,
+        ops.call_function_backward,
+        ops.call_opaque_tensor_pre_hook,
+        ops.call_post_hook,
+        ops.call_pre_hook,
+        ops.call_tensor_hook,
+    }
+)
+
+
+def _is_impure(node: torch.fx.Node) -> bool:
+    return node.is_impure() or (node.op == "call_function" and node.target in _EFFECTFUL)
+
+
+def _has_effects(node: ca_core.NodeInfo) -> bool:
+    """Whether the graph calls user code for ``node`` (hooks, a Function, a break)."""
+    if node.tensor_pre_hooks or node.pre_hooks or node.post_hooks:
+        return True
+    if not node.needed or node.is_accumulate_grad:
+        return False
+    return rule_for(node).handling is not Handling.TRACE
+
+
+def build_graph_module(graph: ca_core.BackwardGraph) -> Capture:
     """The FX graph of one backward; raises UnsupportedNode for a node it cannot take."""
     fx = torch.fx.Graph()
     inputs = fx.placeholder("inputs")
     fx.placeholder("sizes")
     scalars = fx.placeholder("scalars")
+    hooks = fx.placeholder("hooks")
 
     def getitem(seq: torch.fx.Node, i: int) -> torch.fx.Node:
         return fx.call_function(operator.getitem, (seq, i))
 
+    def unpack(result: torch.fx.Node, n: int) -> list[Any]:
+        return [getitem(result, i) for i in range(n)]
+
     lifted = [getitem(inputs, i) for i in range(graph.num_tensors)]
     lifted_scalars = [getitem(scalars, i) for i in range(graph.num_scalars)]
+    hook_nodes: dict[int, torch.fx.Node] = {}
+
+    def hook_at(i: int) -> torch.fx.Node:
+        if i not in hook_nodes:
+            hook_nodes[i] = getitem(hooks, i)
+        return hook_nodes[i]
+
     nodes = graph.nodes
+    # See [Note: Leaf accumulation order].
+    last_effect = max((n.index for n in nodes if _has_effects(n)), default=-1)
     buffers: dict[int, list[Any]] = {}
     grad_outputs: list[Any] = [None] * graph.num_outputs
     leaf_grads: list[Any] = []
+    capture = Capture(torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph()), [])
 
-    for node in nodes:
-        hook_reason = unsupported_hooks(node)
-        if hook_reason is not None:
-            raise UnsupportedNode(node, hook_reason)
-        buffer = buffers.pop(node.index, None) or [None] * node.num_inputs
+    def graph_break(node: ca_core.NodeInfo, reason: str) -> None:
+        capture.graph_breaks.append(GraphBreak(node.name, node.index, reason))
+
+    def record_outputs(node: ca_core.NodeInfo, buffer: list[Any]) -> None:
         for input_nr, output_idx in node.graph_output:
             grad_outputs[output_idx] = buffer[input_nr]
+
+    for node in nodes:
+        buffer = buffers.pop(node.index, None) or [None] * node.num_inputs
+        # Eager captures torch.autograd.grad outputs before the tensor
+        # pre-hooks of a node that runs, after them for one that does not.
+        if node.needed:
+            record_outputs(node, buffer)
+        for hook in node.tensor_pre_hooks:
+            rule = HOOK_RULES[hook.kind]
+            grad = buffer[hook.input_nr]
+            if rule.handling is Handling.TRACE:
+                buffer[hook.input_nr] = fx.call_function(
+                    ops.call_tensor_hook, (hook_at(hook.hook), grad)
+                )
+            elif hook.kind == "opaque":
+                graph_break(node, rule.reason)
+                buffer = unpack(
+                    fx.call_function(
+                        ops.call_opaque_tensor_pre_hook, (node.index, hook.hook, list(buffer))
+                    ),
+                    node.num_inputs,
+                )
+            else:
+                graph_break(node, rule.reason)
+                buffer[hook.input_nr] = fx.call_function(
+                    ops.call_cpp_tensor_pre_hook, (node.index, hook.hook, grad)
+                )
         if not node.needed:
+            record_outputs(node, buffer)
             continue
         rule = rule_for(node)
         if rule.handling is Handling.ACCUMULATE:
-            leaf_grads.append(buffer[0])
+            if node.hooks.get("post_acc_grad") and node.index < last_effect:
+                graph_break(node, "a post-accumulate-grad hook must run before later hooks")
+                fx.call_function(ops.accumulate_grad_now, (node.index, buffer[0]))
+            else:
+                capture.leaf_outputs.append(node.index)
+                leaf_grads.append(buffer[0])
             continue
         if rule.handling is Handling.UNSUPPORTED:
             raise UnsupportedNode(node, rule.reason)
 
-        saved = [lifted[slot] for slot in node.tensor_slots]
-        saved_scalars = lifted_scalars[node.scalar_offset : node.scalar_offset + node.num_scalars]
-        outputs = fx.call_function(
-            apply_with_saved, (node.index, list(buffer), saved, None, saved_scalars)
-        )
-        outputs = fx.call_function(validate_outputs, (node.index, outputs, None))
+        for pre_hook in node.pre_hooks:
+            buffer = unpack(
+                fx.call_function(ops.call_pre_hook, (hook_at(pre_hook), list(buffer))),
+                node.num_inputs,
+            )
+        handling = rule.handling
+        if handling is Handling.PROBE:
+            handling = Handling.TRACE if ca_core.probe_traceable(node.index) else Handling.BREAK
+        if handling is Handling.FUNCTION and node.function is None:
+            handling = Handling.BREAK
+        if handling is Handling.FUNCTION:
+            outputs = _call_function(fx, node, buffer, lifted, hook_at)
+        else:
+            saved = [lifted[slot] for slot in node.tensor_slots]
+            saved_scalars = lifted_scalars[
+                node.scalar_offset : node.scalar_offset + node.num_scalars
+            ]
+            apply = ops.apply_with_saved
+            if handling is Handling.BREAK:
+                graph_break(node, rule.reason or "it cannot be traced")
+                apply = ops.apply_with_saved_eager
+            outputs = fx.call_function(
+                apply, (node.index, list(buffer), saved, None, saved_scalars)
+            )
+        outputs = fx.call_function(ops.validate_outputs, (node.index, outputs, None))
+        grads = unpack(outputs, node.num_outputs)
+        for post_hook in node.post_hooks:
+            grads = unpack(
+                fx.call_function(ops.call_post_hook, (hook_at(post_hook), grads, list(buffer))),
+                node.num_outputs,
+            )
         for output_nr, edge in enumerate(node.next_edges):
             if edge is None:
                 continue
             target, input_nr = edge
-            grad = getitem(outputs, output_nr)
             target_buffer = buffers.setdefault(target, [None] * nodes[target].num_inputs)
             prior = target_buffer[input_nr]
+            grad = grads[output_nr]
             target_buffer[input_nr] = (
-                grad if prior is None else fx.call_function(accumulate, (prior, grad))
+                grad if prior is None else fx.call_function(ops.accumulate, (prior, grad))
             )
 
     fx.output(grad_outputs + leaf_grads)
-    fx.eliminate_dead_code()
-    return torch.fx.GraphModule(torch.nn.Module(), fx, "CompiledBackward")
+    fx.eliminate_dead_code(is_impure_node=_is_impure)
+    capture.graph_module = torch.fx.GraphModule(torch.nn.Module(), fx, "CompiledBackward")
+    return capture
+
+
+def _call_function(
+    fx: torch.fx.Graph,
+    node: ca_core.NodeInfo,
+    buffer: list[Any],
+    lifted: list[torch.fx.Node],
+    hook_at: Any,
+) -> torch.fx.Node:
+    """The graph calls a Python Function's backward itself.
+
+    [Note: Python Functions in the graph]
+    A PyNode's own apply_with_saved would run the backward inside an opaque
+    call that Dynamo executes once on FakeTensors: side effects would happen
+    at compile time only and ``ctx`` attributes would be baked in without a
+    guard. Calling the backward from the graph lets Dynamo trace it (or graph
+    break inside it), replay its side effects and guard on the ctx values it
+    read, so a changed ``ctx.scale`` recompiles instead of reusing a stale
+    constant. Undefined grads are materialised as eager does.
+    """
+    function = node.function
+    assert function is not None
+    grads: list[Any] = []
+    for grad, spec in zip(buffer, function.materialize):
+        if spec is not None:
+            grad = fx.call_function(
+                ops.materialize_grad, (grad, tuple(spec.shape), spec.dtype, spec.device)
+            )
+        grads.append(grad)
+    saved = [None if slot is None else lifted[slot] for slot in function.saved_slots]
+    return fx.call_function(
+        ops.call_function_backward,
+        (hook_at(function.ctx_hook), saved, tuple(function.is_variable_input), node.name, *grads),
+    )

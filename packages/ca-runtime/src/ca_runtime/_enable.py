@@ -20,7 +20,7 @@ from typing import Any
 import ca_core
 import torch
 
-from ca_runtime._runtime import CompilerFn, Runtime
+from ca_runtime._runtime import CompilerFn, Runtime, graph_break_count, reset_graph_breaks
 from ca_runtime._torch_interop import keep_hook_across_torch_disable
 
 __all__ = ["disable", "enable", "reset", "stats"]
@@ -114,19 +114,20 @@ def reset() -> None:
     """Empties the shadow-graph cache and zeroes the counters."""
     ca_core.clear_cache()
     ca_core.reset_counters()
+    reset_graph_breaks()
 
 
 def stats() -> dict[str, int]:
     """Counters since the last ``reset()``.
 
     ``captures`` (graphs captured and compiled), ``cache_hits`` (backwards
-    served from the cache), ``graph_breaks`` (nodes run eagerly inside a
-    compiled backward) and ``eager_fallbacks`` (backwards run wholly eagerly).
+    served from the cache), ``graph_breaks`` (calls that run eagerly behind a
+    graph break, summed over the captured graphs) and ``eager_fallbacks`` (backwards run wholly eagerly).
     """
     counters = ca_core.counters()
     return {
         "captures": counters["captures"],
         "cache_hits": counters["cache_hits"],
-        "graph_breaks": 0,
+        "graph_breaks": graph_break_count(),
         "eager_fallbacks": counters["eager_fallbacks"],
     }

@@ -1,20 +1,57 @@
 """The calls a captured backward graph is made of.
 
 Each is a plain Python function so that an FX graph can call it and Dynamo can
-compile that graph: ``apply_with_saved`` and ``validate_outputs`` are marked
-``allow_in_graph`` (Dynamo keeps the call and runs it on FakeTensors to learn
-its outputs; AOTAutograd traces through it down to ATen ops), while
-``accumulate`` is ordinary Python that Dynamo inlines.
+compile that graph. Three kinds, see [Note: Graph call kinds]:
+
+- ``allow_in_graph`` (``apply_with_saved``, ``validate_outputs``): Dynamo
+  keeps the call and runs it on FakeTensors to learn its outputs; AOTAutograd
+  traces through it down to ATen ops.
+- inlined (``accumulate``, the ``call_*_hook`` helpers,
+  ``call_function_backward``, ``materialize_grad``): ordinary Python that
+  Dynamo traces into, so a user hook or a Python Function's backward becomes
+  part of the compiled graph, with its side effects replayed by Dynamo and
+  guards on what it read (a ``ctx`` float, a hook's closure).
+- graph breaks (``*_eager``, ``call_cpp_tensor_pre_hook``,
+  ``accumulate_grad_now``): ``torch._dynamo.disable``-d, so Dynamo splits the
+  graph and runs the call eagerly on real tensors, every backward.
+
+[Note: Graph call kinds]
+What runs eagerly behind a graph break is what cannot be traced without
+changing its meaning: a C++ autograd Function declared untraceable (it may
+write through ``data_ptr``), C++ tensor hooks and ``retain_grad`` (opaque
+``std::function``s with side effects), saved tensors with unpack hooks (the
+hook must run once per unpack, on the real packed value), reentrant
+checkpoint (a backward inside a backward) and leaf accumulation that must
+happen before a later hook (see [Note: Leaf accumulation order] in
+``_capture.py``). Without Dynamo (``compiler_fn`` returns the graph as is)
+every call simply runs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import ca_core
 import torch
+from torch._dynamo.external_utils import call_backward
 
-__all__ = ["accumulate", "apply_with_saved", "validate_outputs"]
+__all__ = [
+    "accumulate",
+    "accumulate_grad_now",
+    "apply_with_saved",
+    "apply_with_saved_eager",
+    "call_cpp_tensor_pre_hook",
+    "call_function_backward",
+    "call_opaque_tensor_pre_hook",
+    "call_post_hook",
+    "call_pre_hook",
+    "call_tensor_hook",
+    "materialize_grad",
+    "validate_outputs",
+]
+
+Grads = list[torch.Tensor | None]
 
 
 @torch._dynamo.allow_in_graph
@@ -24,9 +61,15 @@ def apply_with_saved(
     saved_tensors: Sequence[torch.Tensor],
     saved_sizes: Sequence[int | None] | None,
     saved_scalars: Sequence[int | float],
-) -> list[torch.Tensor | None]:
+) -> Grads:
     """Runs node ``node_idx`` of the running backward with the saved values given."""
     return ca_core.apply_with_saved(node_idx, inputs, saved_tensors, saved_sizes, saved_scalars)
+
+
+@torch._dynamo.disable
+def apply_with_saved_eager(*args: Any) -> Grads:
+    """``apply_with_saved(*args)`` behind a graph break: runs on real tensors every backward."""
+    return ca_core.apply_with_saved(*args)
 
 
 @torch._dynamo.allow_in_graph
@@ -34,7 +77,7 @@ def validate_outputs(
     node_idx: int,
     outputs: Sequence[torch.Tensor | None],
     saved_sizes: Sequence[int | None] | None,
-) -> list[torch.Tensor | None]:
+) -> Grads:
     """Checks/casts node ``node_idx``'s output grads as the eager engine does."""
     return ca_core.validate_outputs(node_idx, outputs, saved_sizes)
 
@@ -46,3 +89,91 @@ def accumulate(old: torch.Tensor | None, new: torch.Tensor | None) -> torch.Tens
     if new is None:
         return old
     return torch.add(old, new)
+
+
+def call_tensor_hook(
+    hook: Callable[[torch.Tensor | None], torch.Tensor | None], grad: torch.Tensor | None
+) -> torch.Tensor | None:
+    """A ``Tensor.register_hook`` hook: its result replaces the grad unless None."""
+    result = hook(grad)
+    return grad if result is None else result
+
+
+def call_pre_hook(hook: Callable[..., Any], grads: Sequence[torch.Tensor | None]) -> Grads:
+    """A ``grad_fn.register_prehook`` hook on the node's input grads."""
+    result = hook(tuple(grads))
+    return list(grads) if result is None else list(result)
+
+
+def call_post_hook(
+    hook: Callable[..., Any],
+    outputs: Sequence[torch.Tensor | None],
+    inputs: Sequence[torch.Tensor | None],
+) -> Grads:
+    """A ``grad_fn.register_hook`` hook: (grad_inputs, grad_outputs) of the node."""
+    result = hook(tuple(outputs), tuple(inputs))
+    return list(outputs) if result is None else list(result)
+
+
+def materialize_grad(
+    grad: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """The zeros a Python Function's backward sees for an undefined grad."""
+    if grad is None:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    return grad
+
+
+def call_function_backward(
+    ctx: Any,
+    saved_tensors: Sequence[torch.Tensor | None],
+    is_variable_input: tuple[bool, ...],
+    name: str,
+    *grads: torch.Tensor | None,
+) -> Grads:
+    """A Python ``torch.autograd.Function``'s backward, checked as eager checks it.
+
+    ``call_backward`` is torch's helper that Dynamo knows how to trace into
+    (it hands the backward a ctx whose ``saved_tensors`` are the given ones).
+    """
+    result = call_backward(ctx, list(saved_tensors), *grads)
+    expected = len(is_variable_input)
+    if len(result) > expected and all(g is None for g in result[expected:]):
+        result = result[:expected]
+    if len(result) != expected:
+        raise RuntimeError(
+            f"function {name} returned an incorrect number of gradients "
+            f"(expected {expected}, got {len(result)})"
+        )
+    grads_out: Grads = []
+    for position, (grad, is_tensor) in enumerate(zip(result, is_variable_input)):
+        if is_tensor:
+            grads_out.append(grad)
+        elif grad is not None:
+            raise RuntimeError(
+                f"function {name} returned a gradient different than None at position "
+                f"{position + 1}, but the corresponding forward input was not a Variable"
+            )
+    return grads_out
+
+
+@torch._dynamo.disable
+def call_cpp_tensor_pre_hook(
+    node_idx: int, hook_id: int, grad: torch.Tensor | None
+) -> torch.Tensor | None:
+    """A C++ tensor hook or ``retain_grad`` of node ``node_idx``, behind a graph break."""
+    return ca_core.call_cpp_tensor_pre_hook(node_idx, hook_id, grad)
+
+
+@torch._dynamo.disable
+def call_opaque_tensor_pre_hook(
+    node_idx: int, hook_index: int, grads: Sequence[torch.Tensor | None]
+) -> Grads:
+    """A C++ tensor hook without compiled_args, on all of the node's grads, behind a graph break."""
+    return ca_core.call_opaque_tensor_pre_hook(node_idx, hook_index, grads)
+
+
+@torch._dynamo.disable
+def accumulate_grad_now(node_idx: int, grad: torch.Tensor | None) -> None:
+    """Runs AccumulateGrad node ``node_idx`` (and its post hooks) now, behind a graph break."""
+    ca_core.accumulate_grad_now(node_idx, grad)

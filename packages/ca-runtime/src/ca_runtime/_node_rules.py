@@ -1,53 +1,77 @@
-"""How each kind of autograd node is captured: a data table, not an if chain.
+"""How each kind of autograd node and hook is captured: data tables, not if chains.
 
-A rule matches a node's demangled C++ type (``NodeInfo.type_name``) with an
-``fnmatch`` pattern; the first matching rule wins and the default is to trace
-the node through ``apply_with_saved``. AccumulateGrad is not a row: ca_core
-decides which nodes it applies after the graph (``NodeInfo.is_accumulate_grad``)
-and the capture must follow that same flag.
+A node rule matches a node by its demangled C++ type (``NodeInfo.type_name``,
+an ``fnmatch`` pattern), its name (``NodeInfo.name``) and an optional
+condition; the first matching rule wins and the default is to trace the node
+through ``apply_with_saved``. AccumulateGrad is not a row: ca_core decides
+which nodes are leaves (``NodeInfo.is_accumulate_grad``) and the capture must
+follow that same flag.
 """
 
 from __future__ import annotations
 
 import enum
 import fnmatch
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import ca_core
 
-__all__ = ["HOOK_RULES", "Handling", "NodeRule", "NODE_RULES", "rule_for", "unsupported_hooks"]
+__all__ = ["HOOK_RULES", "Handling", "HookRule", "NODE_RULES", "NodeRule", "rule_for"]
 
 
 class Handling(enum.Enum):
-    """What the capture does with a node."""
+    """What the capture does with a node or a hook."""
 
-    #: ``apply_with_saved`` + ``validate_outputs`` calls in the graph.
+    #: A call Dynamo traces into the compiled graph.
     TRACE = "trace"
-    #: Its input grad becomes a graph output; ca_core applies the real node afterwards.
+    #: A Python autograd.Function: the graph calls its backward itself.
+    FUNCTION = "function"
+    #: Traced if ``ca_core.probe_traceable`` says so, else BREAK.
+    PROBE = "probe"
+    #: Runs eagerly behind a graph break; see [Note: Graph call kinds].
+    BREAK = "break"
+    #: Its input grad is a leaf grad; see [Note: Leaf accumulation order].
     ACCUMULATE = "accumulate"
-    #: Cannot be captured yet: the whole backward runs on the eager engine.
+    #: Cannot be captured: the whole backward runs on the eager engine.
     UNSUPPORTED = "unsupported"
 
 
 @dataclass(frozen=True)
 class NodeRule:
-    """One row of the table."""
+    """One row of NODE_RULES."""
 
     pattern: str
     handling: Handling
     reason: str = ""
+    #: fnmatch pattern on ``NodeInfo.name`` (e.g. the Function's class).
+    name: str = "*"
+    #: Extra condition on the node; None matches every node.
+    condition: Callable[[ca_core.NodeInfo], bool] | None = None
+
+
+def _has_saved_tensor_hooks(node: ca_core.NodeInfo) -> bool:
+    return node.num_saved_tensor_hooks > 0
 
 
 NODE_RULES: tuple[NodeRule, ...] = (
     NodeRule(
-        "torch::autograd::PyNode",
-        Handling.UNSUPPORTED,
-        "the backward of a Python torch.autograd.Function is not captured yet",
+        "*",
+        Handling.BREAK,
+        "its saved tensors have unpack hooks (saved_tensors_hooks), which run eagerly",
+        condition=_has_saved_tensor_hooks,
     ),
     NodeRule(
+        "torch::autograd::PyNode",
+        Handling.BREAK,
+        "reentrant checkpoint runs a backward inside its backward",
+        name="CheckpointFunctionBackward",
+    ),
+    NodeRule("torch::autograd::PyNode", Handling.FUNCTION),
+    NodeRule(
         "torch::autograd::CppNode<*>",
-        Handling.UNSUPPORTED,
-        "the backward of a C++ torch::autograd::Function is not captured yet",
+        Handling.PROBE,
+        "a C++ autograd Function with is_traceable = false runs eagerly",
     ),
 )
 
@@ -56,31 +80,32 @@ _ACCUMULATE = NodeRule("torch::autograd::AccumulateGrad", Handling.ACCUMULATE)
 
 
 def rule_for(node: ca_core.NodeInfo) -> NodeRule:
-    """ACCUMULATE for ca_core's AccumulateGrad nodes, else the first rule whose pattern matches."""
+    """ACCUMULATE for ca_core's AccumulateGrad nodes, else the first matching rule."""
     if node.is_accumulate_grad:
         return _ACCUMULATE
     for rule in NODE_RULES:
-        if fnmatch.fnmatchcase(node.type_name, rule.pattern):
+        if (
+            fnmatch.fnmatchcase(node.type_name, rule.pattern)
+            and fnmatch.fnmatchcase(node.name, rule.name)
+            and (rule.condition is None or rule.condition(node))
+        ):
             return rule
     return _DEFAULT
 
 
-#: Per hook kind (``NodeInfo.hooks``): supported, or the reason it is not yet.
-#: post_acc_grad hooks run inside the real AccumulateGrad node, as in eager.
-HOOK_RULES: dict[str, str | None] = {
-    "post_acc_grad": None,
-    "tensor_pre": "tensor hooks (Tensor.register_hook) are not captured yet",
-    "cpp_tensor_pre": "C++ tensor hooks and retain_grad() are not captured yet",
-    "pre": "grad_fn pre-hooks are not captured yet",
-    "post": "grad_fn hooks are not captured yet",
-    "saved_tensor": "saved-tensor hooks are not captured yet",
+@dataclass(frozen=True)
+class HookRule:
+    """How one kind of tensor pre-hook (``TensorPreHookInfo.kind``) is captured."""
+
+    handling: Handling
+    reason: str = ""
+
+
+#: Tensor pre-hooks by kind. grad_fn pre/post hooks are always traced, and
+#: post-accumulate-grad hooks run inside the real AccumulateGrad node.
+HOOK_RULES: dict[str, HookRule] = {
+    "python": HookRule(Handling.TRACE),
+    "cpp": HookRule(Handling.BREAK, "a C++ tensor hook runs eagerly"),
+    "retains_grad": HookRule(Handling.BREAK, "retain_grad() sets .grad eagerly"),
+    "opaque": HookRule(Handling.BREAK, "a C++ tensor hook without compiled_args runs eagerly"),
 }
-
-
-def unsupported_hooks(node: ca_core.NodeInfo) -> str | None:
-    """Why a hook on ``node`` prevents capture, or None when all its hooks are supported."""
-    for kind in node.hooks:
-        reason = HOOK_RULES.get(kind, f"{kind} hooks are not known to ca_runtime")
-        if reason is not None:
-            return reason
-    return None

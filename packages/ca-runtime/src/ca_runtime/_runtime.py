@@ -1,34 +1,91 @@
 """The object ca_core's engine hook calls back into.
 
 [Note: Capture methods]
-ca_core calls exactly three methods, all on a cache miss or a failure, never
-on a cache hit:
+ca_core calls exactly these methods, all on a cache miss, a first run or a
+failure, never on a cache hit:
 
 - ``capture(graph)``: build the FX graph of a walked backward and compile it
-  with ``compiler_fn``; return the compiled callable, or None to run this
-  backward (and every later one with the same key path) eagerly.
-- ``run_first(compiled, inputs, sizes, scalars)``: the first call of a freshly
-  compiled graph, where lazy compilers (``torch.compile``) do their work;
-  return its outputs, or None if it failed, with the same effect as above.
+  with ``compiler_fn``; return ``(compiled, leaf_outputs)`` -- the compiled
+  callable and the walk index of each AccumulateGrad node whose grad the graph
+  returns -- or None to run this backward (and every later one with the same
+  key path) eagerly.
+- ``run_first(compiled, inputs, sizes, scalars, hooks)``: the first call of a
+  freshly compiled graph, where lazy compilers (``torch.compile``) do their
+  work; return its outputs, or None if compiling failed, with the same effect
+  as above. An exception raised by user code the graph calls (a hook, a
+  Function's backward) is re-raised unchanged, as eager would raise it, and
+  the entry stays usable.
 - ``report_fallback(node, reason)``: ca_core could not even walk the graph.
+- ``proxy_call_backward(...)``: torch's PyNode calls this on the installed
+  compiler object when a Python Function's node is applied through
+  ``apply_with_saved`` (only behind a graph break, see
+  [Note: Python Functions in the graph]); it runs the backward.
 
 Each failure warns once (``EagerFallbackWarning``) naming the node and the
-reason; ca_core counts it and remembers the failing key path.
+reason; ca_core counts it and remembers the failing key path. Each graph break
+is counted, and logged (logger ``ca_runtime``, INFO) and warned
+(``GraphBreakWarning``) once per node name and reason.
 """
 
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 from collections.abc import Callable, Sequence
+from types import TracebackType
 from typing import Any
 
 import ca_core
 import torch
+from torch._dynamo.external_utils import call_backward
 
 from ca_runtime._capture import UnsupportedNode, build_graph_module
-from ca_runtime._log import EagerFallbackWarning, log
+from ca_runtime._log import EagerFallbackWarning, GraphBreakWarning, log
 
-__all__ = ["Runtime"]
+__all__ = ["Runtime", "graph_break_count", "reset_graph_breaks"]
+
+_graph_breaks = 0
+_logged_breaks: set[tuple[str, str]] = set()
+
+
+def graph_break_count() -> int:
+    """Graph breaks in the graphs captured since the last reset."""
+    return _graph_breaks
+
+
+def reset_graph_breaks() -> None:
+    """Zeroes the graph-break counter and forgets which breaks were logged."""
+    global _graph_breaks
+    _graph_breaks = 0
+    _logged_breaks.clear()
+
+
+_FRAMEWORK_DIRS = tuple(
+    os.path.dirname(os.path.abspath(m.__file__)) + os.sep
+    for m in (torch, ca_core, sys.modules[__name__.rpartition(".")[0]])
+    if m.__file__
+)
+
+
+def _raised_by_user_code(error: BaseException) -> bool:
+    """Whether ``error`` came from user code the graph called, not from compiling it.
+
+    Compile failures are Dynamo's exceptions or are raised inside torch, ca_core
+    or ca_runtime; an exception whose innermost Python frame is elsewhere was
+    raised by a hook or a Function's backward, and eager would raise it too.
+    """
+    if isinstance(error, torch._dynamo.exc.TorchDynamoException):
+        return False
+    tb: TracebackType | None = error.__traceback__
+    innermost = None
+    while tb is not None:
+        innermost = tb.tb_frame.f_code.co_filename
+        tb = tb.tb_next
+    if innermost is None:
+        return False
+    path = os.path.abspath(innermost)
+    return not path.startswith(_FRAMEWORK_DIRS)
 
 CompilerFn = Callable[[torch.fx.GraphModule], Callable[..., Any]]
 
@@ -41,15 +98,18 @@ class Runtime:
         self.description = description
         self.last_graph: torch.fx.GraphModule | None = None
 
-    def capture(self, graph: ca_core.BackwardGraph) -> Callable[..., Any] | None:
+    def capture(
+        self, graph: ca_core.BackwardGraph
+    ) -> tuple[Callable[..., Any], list[int]] | None:
         try:
-            gm = build_graph_module(graph)
+            captured = build_graph_module(graph)
         except UnsupportedNode as e:
             self._fallback(e.node_name, e.reason)
             return None
         except Exception as e:  # a capture bug must not kill the training step
             self._fallback("capture", f"{type(e).__name__}: {e}")
             return None
+        gm = captured.graph_module
         self.last_graph = gm
         log.debug("captured backward of %d nodes:\n%s", len(graph.nodes), gm.code)
         try:
@@ -60,7 +120,18 @@ class Runtime:
         if not callable(compiled):
             self._fallback("compiler_fn", f"returned {type(compiled).__name__}, not a callable")
             return None
-        return compiled
+        global _graph_breaks
+        _graph_breaks += len(captured.graph_breaks)
+        for brk in captured.graph_breaks:
+            if (brk.node_name, brk.reason) not in _logged_breaks:
+                _logged_breaks.add((brk.node_name, brk.reason))
+                message = (
+                    f"ca_runtime: graph break at {brk.node_name} (node {brk.node_index}): "
+                    f"{brk.reason}"
+                )
+                log.info(message)
+                warnings.warn(message, GraphBreakWarning, stacklevel=2)
+        return compiled, captured.leaf_outputs
 
     def run_first(
         self,
@@ -68,15 +139,31 @@ class Runtime:
         inputs: list[torch.Tensor],
         sizes: list[int],
         scalars: list[int | float],
+        hooks: list[Any],
     ) -> Sequence[torch.Tensor | None] | None:
         try:
-            return compiled(inputs, sizes, scalars)
+            return compiled(inputs, sizes, scalars, hooks)
         except Exception as e:
+            if _raised_by_user_code(e):
+                raise
             self._fallback("compiled graph", f"first run failed: {type(e).__name__}: {e}")
             return None
 
     def report_fallback(self, node: str, reason: str) -> None:
         self._fallback(node, reason)
+
+    def proxy_call_backward(
+        self,
+        inputs: tuple[torch.Tensor | None, ...],
+        output_metadatas: Any,
+        saved_tensors: tuple[torch.Tensor | None, ...],
+        backward_idx: int,
+        ctx: Any,
+        backward_state_idx: int | None,
+        opaque_object_indices: list[int],
+    ) -> tuple[torch.Tensor | None, ...]:
+        """Runs a Python Function's backward for torch's PyNode::apply_with_saved."""
+        return call_backward(ctx, list(saved_tensors), *inputs)
 
     @staticmethod
     def _fallback(node: str, reason: str) -> None:

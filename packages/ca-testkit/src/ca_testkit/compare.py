@@ -1,8 +1,9 @@
 """``compare()``: one step run eagerly and compiled, every tensor compared.
 
 Eager autograd is the oracle. The step runs ``steps`` times on the eager
-engine (inside ``ca_runtime.disable()``), the ``.grad`` fields of ``tensors``
-are put back as they were, then it runs ``steps`` times inside
+engine (inside ``ca_runtime.disable()``), the values and ``.grad`` fields of
+``tensors`` are put back as they were (a step may update parameters, e.g. an
+optimizer in a post-accumulate-grad hook), then it runs ``steps`` times inside
 ``ca_runtime.enable(compiler_fn)``. Returned values (any pytree of tensors)
 and ``.grad`` fields after each step are compared pairwise.
 """
@@ -153,11 +154,14 @@ def compare(
     run = _as_step(step)
     named = _named(tensors)
     initial = {name: _snapshot(t.grad) for name, t in named.items()}
+    initial_values = {name: t.detach().clone() for name, t in named.items()}
 
     with ca_runtime.disable():
         eager = _run(run, steps, named)
-    for name, t in named.items():
-        t.grad = None if initial[name] is None else initial[name].clone()
+    with torch.no_grad():
+        for name, t in named.items():
+            t.copy_(initial_values[name])
+            t.grad = None if initial[name] is None else initial[name].clone()
 
     ca_runtime.reset()
     with ca_runtime.enable(compiler_fn):

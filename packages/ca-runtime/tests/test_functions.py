@@ -1,0 +1,236 @@
+"""Custom autograd Functions, saved-tensor hooks and checkpoint, against eager."""
+
+from __future__ import annotations
+
+import warnings
+from types import ModuleType
+
+import ca_runtime
+import pytest
+import torch
+import torch.utils.checkpoint
+from ca_testkit import compare
+
+pytestmark = pytest.mark.filterwarnings("ignore::ca_runtime.GraphBreakWarning")
+
+_calls: list[str] = []
+
+
+class ScaledMul(torch.autograd.Function):
+    """x * w * scale with saved tensors, a float and a str on ctx."""
+
+    @staticmethod
+    def forward(ctx, x, w, scale: float, tag: str):  # type: ignore[override]
+        ctx.save_for_backward(x, w)
+        ctx.scale = scale
+        ctx.tag = tag
+        return x * w * scale
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        x, w = ctx.saved_tensors
+        _calls.append(f"{ctx.tag} needs={ctx.needs_input_grad}")
+        grad_x = grad * w * ctx.scale if ctx.needs_input_grad[0] else None
+        grad_w = grad * x * ctx.scale if ctx.needs_input_grad[1] else None
+        return grad_x, grad_w, None, None
+
+
+class OnceDifferentiableSquare(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[override]
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):  # type: ignore[override]
+        (x,) = ctx.saved_tensors
+        return 2 * x * grad
+
+
+class TwoOutputs(torch.autograd.Function):
+    """Two outputs, only one used: the other's grad is materialised as zeros."""
+
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[override]
+        return x * 2, x * 3
+
+    @staticmethod
+    def backward(ctx, grad_a, grad_b):  # type: ignore[override]
+        _calls.append(f"zeros={bool((grad_b == 0).all())}")
+        return grad_a * 2 + grad_b * 3
+
+
+def _leaves(*shapes: tuple[int, ...]) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randn(*s, generator=gen).requires_grad_() for s in shapes]
+
+
+def test_python_function_with_ctx_attributes(backend: str) -> None:
+    x, w = _leaves((4,), (4,))
+
+    def step(i: int) -> list[str]:
+        _calls.clear()
+        ScaledMul.apply(x, w, 1.5, "tag").pow(2).sum().backward()
+        return list(_calls)
+
+    result = compare(step, backend, tensors=[x, w], steps=3)
+    result.assert_ok()
+    assert result.stats["eager_fallbacks"] == 0
+    assert result.stats["graph_breaks"] == 0
+
+
+def test_python_function_float_changes_between_steps(backend: str) -> None:
+    x, w = _leaves((4,), (4,))
+
+    def step(i: int) -> list[str]:
+        _calls.clear()
+        ScaledMul.apply(x, w, 0.5 + i, f"step{i % 2}").sum().backward()
+        return list(_calls)
+
+    compare(step, backend, tensors=[x, w], steps=4).assert_ok()
+
+
+def test_python_function_needs_input_grad(backend: str) -> None:
+    x, w = _leaves((4,), (4,))
+    frozen = w.detach()
+
+    def step() -> list[str]:
+        _calls.clear()
+        ScaledMul.apply(x, frozen, 2.0, "frozen").sum().backward()
+        return list(_calls)
+
+    compare(step, backend, tensors=[x], steps=2).assert_ok()
+
+
+def test_once_differentiable_and_materialized_grads(backend: str) -> None:
+    (x,) = _leaves((3, 2))
+
+    def step() -> list[str]:
+        _calls.clear()
+        a, _unused = TwoOutputs.apply(OnceDifferentiableSquare.apply(x))
+        a.sum().backward()
+        return list(_calls)
+
+    result = compare(step, backend, tensors=[x], steps=2)
+    result.assert_ok()
+    assert result.stats["eager_fallbacks"] == 0
+
+
+@pytest.mark.inductor
+def test_python_function_inductor() -> None:
+    x, w = _leaves((4,), (4,))
+
+    def step(i: int) -> list[str]:
+        _calls.clear()
+        ScaledMul.apply(x, w, 0.5 + i, "ind").sum().backward()
+        return list(_calls)
+
+    compare(step, "inductor", tensors=[x, w], steps=2).assert_ok()
+
+
+@pytest.mark.parametrize("traceable", [True, False], ids=["traceable", "untraceable"])
+@pytest.mark.parametrize("expanded", [False, True], ids=["dense", "expanded"])
+def test_cpp_function(backend: str, cpp_ext: ModuleType, traceable: bool, expanded: bool) -> None:
+    x, w = _leaves((3, 4), (4,))
+
+    def step(i: int) -> torch.Tensor:
+        weight = w.expand(3, 4) if expanded else w * 1.0
+        out = cpp_ext.scaled_mul(x, weight, 0.5 + i, traceable)
+        (out.sum() if expanded else out.pow(2).sum()).backward()
+        return out.detach()
+
+    result = compare(step, backend, tensors=[x, w], steps=3)
+    result.assert_ok()
+    assert result.stats["eager_fallbacks"] == 0
+    assert (result.stats["graph_breaks"] > 0) == (not traceable)
+
+
+def test_r2_untraceable_cpp_function_writes_through_data_ptr(backend: str, cpp_ext: ModuleType) -> None:
+    """Seed r2.py case 2: a graph break runs the backward on the real grad."""
+    x = torch.ones(2, 2, requires_grad=True)
+
+    def step() -> None:
+        cpp_ext.writes_through_data_ptr(x).sum().backward()
+
+    result = compare(step, backend, tensors=[x])
+    result.assert_ok()
+    torch.testing.assert_close(x.grad, torch.full((2, 2), 3.14))
+    assert result.stats["graph_breaks"] == 1
+    assert result.stats["eager_fallbacks"] == 0
+
+
+def test_r2_no_guessed_metadata(backend: str, cpp_ext: ModuleType) -> None:
+    """Seed r2.py case 3: the hook sees the real, non-contiguous grad."""
+    x = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]], requires_grad=True)
+    seen: list[bool] = []
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        seen.append(grad.is_contiguous())
+        return grad.contiguous()
+
+    def step() -> list[bool]:
+        seen.clear()
+        z = cpp_ext.branches_on_contiguity(x).clone()
+        z.register_hook(hook)
+        z.sum().backward()
+        return list(seen)
+
+    result = compare(step, backend, tensors=[x])
+    result.assert_ok()
+    torch.testing.assert_close(x.grad, torch.full((2, 3), 2.0))
+    assert seen == [False]
+    assert result.stats["graph_breaks"] == 0
+
+
+def test_saved_tensor_hooks_fire_as_in_eager(backend: str) -> None:
+    x, w = _leaves((4, 4), (4, 4))
+    counts = {"pack": 0, "unpack": 0}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        counts["pack"] += 1
+        return t * 1
+
+    def unpack(t: torch.Tensor) -> torch.Tensor:
+        counts["unpack"] += 1
+        return t
+
+    def step() -> dict[str, int]:
+        counts.update(pack=0, unpack=0)
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            y = (x @ w).tanh() * x
+        y.sum().backward()
+        return dict(counts)
+
+    result = compare(step, backend, tensors=[x, w], steps=3)
+    result.assert_ok()
+    assert result.stats["eager_fallbacks"] == 0
+
+
+def _checkpointed_step(use_reentrant: bool) -> tuple[object, list[torch.Tensor]]:
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.Linear(8, 4))
+    (x,) = _leaves((3, 4))
+
+    def step() -> None:
+        out = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=use_reentrant)
+        out.pow(2).sum().backward()
+
+    return step, [x, *block.parameters()]
+
+
+def test_non_reentrant_checkpoint(backend: str) -> None:
+    step, tensors = _checkpointed_step(use_reentrant=False)
+    result = compare(step, backend, tensors=tensors, steps=3)
+    result.assert_ok()
+    assert result.stats["eager_fallbacks"] == 0
+
+
+def test_reentrant_checkpoint_breaks_with_a_warning(backend: str) -> None:
+    step, tensors = _checkpointed_step(use_reentrant=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = compare(step, backend, tensors=tensors, steps=2)
+    result.assert_ok()
+    messages = [str(w.message) for w in caught if issubclass(w.category, ca_runtime.GraphBreakWarning)]
+    assert any("CheckpointFunctionBackward" in m and "reentrant" in m for m in messages), messages

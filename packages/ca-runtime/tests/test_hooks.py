@@ -1,0 +1,319 @@
+"""Hooks under compiled autograd: every kind, alone and together, against eager.
+
+Each step returns the log of hook calls, so ca_testkit.compare checks the
+calls, their number and their order, along with the grads.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+import ca_core
+import ca_runtime
+import pytest
+import torch
+from ca_testkit import compare
+
+pytestmark = pytest.mark.filterwarnings("ignore::ca_runtime.GraphBreakWarning")
+
+
+def _mlp() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+
+
+INPUT = torch.randn(5, 4, generator=torch.Generator().manual_seed(1))
+
+
+def _tensor_hook(model: torch.nn.Sequential, log: list[str]) -> torch.Tensor:
+    hidden = model[1](model[0](INPUT))
+
+    def double(grad: torch.Tensor) -> torch.Tensor:
+        log.append(f"tensor_hook sum={grad.sum().item():.4f}")
+        return grad * 2
+
+    hidden.register_hook(double)
+    return model[2](hidden)
+
+
+def _tensor_hook_no_return(model: torch.nn.Sequential, log: list[str]) -> torch.Tensor:
+    hidden = model[0](INPUT)
+    hidden.register_hook(lambda grad: log.append(f"observe {tuple(grad.shape)}"))
+    return model[2](model[1](hidden))
+
+
+def _leaf_hook(model: torch.nn.Sequential, log: list[str]) -> torch.Tensor:
+    x = INPUT.clone().requires_grad_()
+    x.register_hook(lambda grad: log.append("leaf") or grad + 1)
+    return model(x)
+
+
+def _retain_grad(model: torch.nn.Sequential, log: list[str]) -> torch.Tensor:
+    hidden = model[0](INPUT)
+    hidden.retain_grad()
+    out = model[2](model[1](hidden))
+    _retained.append(hidden)
+    return out
+
+
+_retained: list[torch.Tensor] = []
+
+
+def _grad_fn_hooks(model: torch.nn.Sequential, log: list[str]) -> torch.Tensor:
+    hidden = model[1](model[0](INPUT))
+    out = model[2](hidden)
+
+    def pre(grad_outputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        log.append(f"prehook {len(grad_outputs)}")
+        return tuple(g * 3 for g in grad_outputs)
+
+    def post(grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> None:
+        log.append(f"posthook {sum(g is not None for g in grad_inputs)}")
+
+    hidden.grad_fn.register_prehook(pre)
+    hidden.grad_fn.register_hook(post)
+    out.grad_fn.register_hook(lambda gi, go: tuple(None if g is None else g * 0.5 for g in gi))
+    return out
+
+
+def _module_hooks(model: torch.nn.Sequential, log: list[str]) -> torch.Tensor:
+    handles = [
+        model[0].register_full_backward_pre_hook(lambda m, go: log.append("pre0")),
+        model[2].register_full_backward_pre_hook(
+            lambda m, go: (log.append("pre2"), (go[0] * 2,))[1]
+        ),
+        model[0].register_full_backward_hook(lambda m, gi, go: log.append(f"full0 {len(gi)}")),
+        model[2].register_full_backward_hook(lambda m, gi, go: log.append("full2")),
+    ]
+    _handles.extend(handles)
+    x = INPUT.clone().requires_grad_()
+    return model(x)
+
+
+_handles: list[Any] = []
+
+
+def _post_accumulate(model: torch.nn.Sequential, log: list[str]) -> torch.Tensor:
+    for name, p in model.named_parameters():
+        _handles.append(
+            p.register_post_accumulate_grad_hook(
+                functools.partial(_sgd_in_backward, name=name, log=log)
+            )
+        )
+    return model(INPUT)
+
+
+def _sgd_in_backward(p: torch.Tensor, *, name: str, log: list[str]) -> None:
+    """The optimizer-in-backward pattern: update the parameter from its fresh grad."""
+    log.append(f"acc {name}")
+    with torch.no_grad():
+        p.add_(p.grad, alpha=-0.1)
+        p.grad.mul_(0.5)
+
+
+def _cpp_hook(model: torch.nn.Sequential, log: list[str], ext: ModuleType) -> torch.Tensor:
+    hidden = model[0](INPUT)
+    ext.register_doubling_hook(hidden)
+    return model[2](model[1](hidden))
+
+
+SCENARIOS: dict[str, Callable[..., torch.Tensor]] = {
+    "tensor_hook": _tensor_hook,
+    "tensor_hook_no_return": _tensor_hook_no_return,
+    "leaf_hook": _leaf_hook,
+    "retain_grad": _retain_grad,
+    "grad_fn_hooks": _grad_fn_hooks,
+    "module_hooks": _module_hooks,
+    "post_accumulate": _post_accumulate,
+}
+
+
+def _remove_handles() -> None:
+    """Module and parameter hooks are registered by each step; one set at a time."""
+    for handle in _handles:
+        handle.remove()
+    _handles.clear()
+
+
+@pytest.fixture(autouse=True)
+def _clean_handles():
+    yield
+    _remove_handles()
+    _retained.clear()
+
+
+def _step_for(build: Callable[[torch.nn.Sequential, list[str]], torch.Tensor], model, log):
+    def step() -> tuple[list[str], list[torch.Tensor]]:
+        log.clear()
+        _retained.clear()
+        _remove_handles()
+        out = build(model, log)
+        out.pow(2).sum().backward()
+        retained = [t.grad for t in _retained]
+        return list(log), [p.detach().clone() for p in model.parameters()] + retained
+
+    return step
+
+
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+def test_hook_kind_alone(scenario: str, backend: str) -> None:
+    model, log = _mlp(), []
+    result = compare(_step_for(SCENARIOS[scenario], model, log), backend, tensors=model, steps=3)
+    result.assert_ok()
+    assert result.stats["eager_fallbacks"] == 0
+    assert result.stats["captures"] <= 2  # .grad None, then defined
+
+
+def test_cpp_tensor_hook(backend: str, cpp_ext: ModuleType) -> None:
+    model, log = _mlp(), []
+    before = cpp_ext.cpp_hook_calls()
+    build = functools.partial(_cpp_hook, ext=cpp_ext)
+    result = compare(_step_for(build, model, log), backend, tensors=model, steps=2)
+    result.assert_ok()
+    assert cpp_ext.cpp_hook_calls() - before == 4  # once per backward, eager and compiled
+    assert result.stats["eager_fallbacks"] == 0
+    assert result.stats["graph_breaks"] >= 1
+
+
+def test_all_hook_kinds_together(backend: str, cpp_ext: ModuleType) -> None:
+    model, log = _mlp(), []
+
+    def build(model: torch.nn.Sequential, log: list[str]) -> torch.Tensor:
+        _module_hooks(model, log)
+        _handles.extend(
+            p.register_post_accumulate_grad_hook(
+                functools.partial(_sgd_in_backward, name=name, log=log)
+            )
+            for name, p in model.named_parameters()
+        )
+        x = INPUT.clone().requires_grad_()
+        x.register_hook(lambda g: log.append("leaf") or g)
+        hidden = model[0](x)
+        hidden.retain_grad()
+        _retained.append(hidden)
+        cpp_ext.register_doubling_hook(hidden)
+        act = model[1](hidden)
+        act.register_hook(lambda g: log.append("tensor") or g * 2)
+        act.grad_fn.register_prehook(lambda go: log.append("prehook") or None)
+        act.grad_fn.register_hook(lambda gi, go: log.append("posthook") or None)
+        return model[2](act)
+
+    result = compare(_step_for(build, model, log), backend, tensors=model, steps=3)
+    result.assert_ok()
+    assert result.stats["eager_fallbacks"] == 0
+
+
+@pytest.mark.parametrize(
+    "compiler", ["eager", "aot_eager", pytest.param("inductor", marks=pytest.mark.inductor)]
+)
+def test_r2_hook_with_side_effect(compiler: str) -> None:
+    """Seed r2.py case 1: the hook sees eager's grad once and its result is used."""
+    seen: list[torch.Tensor] = []
+    x = torch.tensor([1.0, 2.0, 3.0], requires_grad=True)
+
+    def step() -> list[torch.Tensor]:
+        seen.clear()
+        y = x**2
+        y.register_hook(lambda grad: seen.append(grad) or 2 * grad)
+        y.sum().backward()
+        return list(seen)
+
+    result = compare(step, compiler, tensors=[x], steps=2)
+    result.assert_ok()
+    assert torch.allclose(x.grad, 2 * 4 * x.detach())  # two steps of 2 * dy/dx
+    assert len(seen) == 1 and torch.equal(seen[0], torch.ones(3))
+    assert result.stats["eager_fallbacks"] == 0
+
+
+def test_adding_a_hook_between_steps_recaptures_once(backend: str) -> None:
+    model, log = _mlp(), []
+
+    def step(i: int) -> tuple[list[str], list[torch.Tensor]]:
+        log.clear()
+        hidden = model[1](model[0](INPUT))
+        if i >= 2:
+            hidden.register_hook(lambda g: log.append("new hook") or g * 3)
+        model[2](hidden).sum().backward()
+        return list(log), [p.grad.clone() for p in model.parameters()]
+
+    result = compare(step, backend, tensors=model, steps=4)
+    result.assert_ok()
+    # step 0 (.grad None), step 1 (.grad defined), step 2 (the new hook), step 3 hit.
+    assert result.stats["captures"] == 3
+    assert result.stats["cache_hits"] == 1
+
+
+def test_raising_hook_propagates_and_next_backward_works(backend: str) -> None:
+    """The user's exception arrives unchanged, on a cache hit and on a first run.
+
+    A backward that raises part-way leaves eager with some leaves accumulated
+    (those that ran before the hook) and ours with none (leaf grads are applied
+    after the graph); both are a failed step, so .grad is reset after it and
+    the comparison is of the backwards that follow.
+    """
+    raise_now = {"flag": False}
+
+    class HookError(Exception):
+        pass
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        if raise_now["flag"]:
+            raise HookError("raised by the user's hook")
+        return grad * 2
+
+    def step(i: int) -> list[torch.Tensor]:
+        raise_now["flag"] = i in (1, 3)  # a hit that raises, then a recompile that raises
+        hidden = model[1](model[0](INPUT))
+        hidden.register_hook(hook)
+        try:
+            model[2](hidden).sum().backward()
+        except HookError:
+            model.zero_grad(set_to_none=True)
+            return ["raised"]
+        return [p.grad.clone() for p in model.parameters()]
+
+    model = _mlp()
+    result = compare(step, backend, tensors=model, steps=5)
+    result.assert_ok()
+    assert result.stats["eager_fallbacks"] == 0
+
+    x = torch.randn(3, requires_grad=True)
+    with ca_runtime.enable(backend) as runtime:
+        raise_now["flag"] = True
+        y = x * 2
+        y.register_hook(hook)
+        with pytest.raises(HookError, match="raised by the user's hook"):
+            y.sum().backward()
+        assert ca_core.installed_runtime() is runtime
+
+
+def test_raising_hook_on_first_run_is_not_a_compile_failure(backend: str) -> None:
+    x = torch.randn(3, requires_grad=True)
+
+    def boom(grad: torch.Tensor) -> None:
+        raise KeyError("first-run hook failure")
+
+    with ca_runtime.enable(backend):
+        y = x * 2
+        y.register_hook(boom)
+        with pytest.raises(KeyError, match="first-run hook failure"):
+            y.sum().backward()
+        (x * 2).sum().backward()
+    assert ca_runtime.stats()["eager_fallbacks"] == 0
+    torch.testing.assert_close(x.grad, torch.full((3,), 2.0))
+
+
+def test_graph_breaks_are_counted_and_warned_once(backend: str) -> None:
+    x = torch.randn(3, requires_grad=True)
+    with pytest.warns(ca_runtime.GraphBreakWarning, match=r"graph break at MulBackward0.*retain_grad"):
+        with ca_runtime.enable(backend):
+            for _ in range(2):
+                y = x * 2
+                y.retain_grad()
+                (y * y).sum().backward()
+    stats = ca_runtime.stats()
+    assert stats["graph_breaks"] >= 1
+    assert stats["eager_fallbacks"] == 0
