@@ -13,6 +13,12 @@ import pytest
 import torch
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # Also registered at the repository root; repeated here so that running
+    # this package's tests alone (its own rootdir) knows the marker.
+    config.addinivalue_line("markers", "inductor: compiles with inductor (10-100 s each on 2 cores)")
+
+
 @pytest.fixture(params=["eager", "aot_eager"])
 def backend(request: pytest.FixtureRequest) -> str:
     """The torch.compile backends unit tests run under (inductor is marked separately)."""

@@ -146,6 +146,10 @@ def test_cpp_function(backend: str, cpp_ext: ModuleType, traceable: bool, expand
     assert (result.stats["graph_breaks"] > 0) == (not traceable)
 
 
+_WITH_INDUCTOR = ["eager", "aot_eager", pytest.param("inductor", marks=pytest.mark.inductor)]
+
+
+@pytest.mark.parametrize("backend", _WITH_INDUCTOR)
 def test_r2_untraceable_cpp_function_writes_through_data_ptr(backend: str, cpp_ext: ModuleType) -> None:
     """Seed r2.py case 2: a graph break runs the backward on the real grad."""
     x = torch.ones(2, 2, requires_grad=True)
@@ -160,6 +164,7 @@ def test_r2_untraceable_cpp_function_writes_through_data_ptr(backend: str, cpp_e
     assert result.stats["eager_fallbacks"] == 0
 
 
+@pytest.mark.parametrize("backend", _WITH_INDUCTOR)
 def test_r2_no_guessed_metadata(backend: str, cpp_ext: ModuleType) -> None:
     """Seed r2.py case 3: the hook sees the real, non-contiguous grad."""
     x = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]], requires_grad=True)
