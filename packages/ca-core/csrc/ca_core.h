@@ -104,6 +104,11 @@ struct BackwardState {
   bool accumulate_grad = true;
   /// Grad mode of the backward (create_graph=True).
   bool create_graph = false;
+  /// Per size input of this backward: dynamic in the graph being captured.
+  std::vector<bool> dynamic_sizes;
+  /// (lifted tensor, dim) pairs whose extent changed since the last capture:
+  /// marked dynamic before the graph's first run.
+  std::vector<std::pair<uint32_t, uint32_t>> dynamic_dims;
 };
 
 /// A node of the shadow-graph cache: one edge per distinct CacheKey.
@@ -112,8 +117,14 @@ struct ShadowNode {
   std::unordered_map<CacheKey, std::unique_ptr<ShadowNode>> next;
   /// Owns the bytes the keys of `next` point to.
   std::vector<CacheKeyBuffer> key_storage;
-  /// Size inputs seen at capture; a differing size is a miss.
+  /// Size inputs seen at the last capture; a differing static size is a
+  /// miss. See [Note: Dynamic sizes].
   std::vector<int64_t> expected_sizes;
+  /// Per size input: dynamic (a SymInt input of the graph) since it changed.
+  std::vector<bool> dynamic_sizes;
+  /// Shapes of the lifted tensors at the last capture, to find the
+  /// dimensions that changed with a size.
+  std::vector<std::vector<int64_t>> tensor_shapes;
   /// The compiled backward, or null before the first capture.
   nb::object compiled_fn;
   /// Capture or first run failed here: later backwards go eager at once.

@@ -8,6 +8,7 @@
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/input_buffer.h>
 
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
@@ -167,6 +168,78 @@ GraphArgs lift_args(const BackwardState& state) {
   return args;
 }
 
+/// Whether a backward's sizes fit an entry: equal, or dynamic there; see
+/// [Note: Dynamic sizes].
+bool sizes_match(const ShadowNode& entry, const std::vector<int64_t>& sizes) {
+  if (sizes.size() != entry.expected_sizes.size()) {
+    return false;
+  }
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    if (sizes[i] != entry.expected_sizes[i] &&
+        !(i < entry.dynamic_sizes.size() && entry.dynamic_sizes[i])) {
+      return false;
+    }
+  }
+  return true;
+}
+
+std::vector<std::vector<int64_t>> tensor_shapes(const BackwardState& state) {
+  std::vector<std::vector<int64_t>> shapes;
+  shapes.reserve(state.lifted_tensors.size());
+  for (const auto& t : state.lifted_tensors) {
+    shapes.emplace_back(t.sizes().begin(), t.sizes().end());
+  }
+  return shapes;
+}
+
+/// On a miss: sizes dynamic at the entry stay so, sizes that changed since its
+/// last capture become so, and so do the tensor dims that changed.
+void choose_dynamic(
+    const ShadowNode& entry,
+    const std::vector<int64_t>& sizes,
+    BackwardState& state) {
+  state.dynamic_sizes.assign(sizes.size(), false);
+  const bool comparable = entry.expected_sizes.size() == sizes.size();
+  if (!comparable) {
+    return;
+  }
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    const bool was_dynamic =
+        i < entry.dynamic_sizes.size() && entry.dynamic_sizes[i];
+    state.dynamic_sizes[i] = sizes[i] >= 0 &&
+        (was_dynamic || sizes[i] != entry.expected_sizes[i]);
+  }
+  if (entry.tensor_shapes.size() != state.lifted_tensors.size()) {
+    return;
+  }
+  for (size_t i = 0; i < state.lifted_tensors.size(); ++i) {
+    const auto now = state.lifted_tensors[i].sizes();
+    const auto& before = entry.tensor_shapes[i];
+    if (now.size() != before.size()) {
+      continue;
+    }
+    for (size_t d = 0; d < now.size(); ++d) {
+      if (now[d] != before[d]) {
+        state.dynamic_dims.emplace_back(
+            static_cast<uint32_t>(i), static_cast<uint32_t>(d));
+      }
+    }
+  }
+}
+
+/// The graph's `sizes` input: each dynamic size as an empty (0, size) tensor.
+nb::list dynamic_size_args(
+    const std::vector<bool>& dynamic,
+    const std::vector<int64_t>& sizes) {
+  nb::list out;
+  for (size_t i = 0; i < dynamic.size(); ++i) {
+    if (dynamic[i]) {
+      out.append(nb::steal(wrap_tensor(at::empty({0, sizes[i]}))));
+    }
+  }
+  return out;
+}
+
 /// Applies the graph's leaf grads through the real AccumulateGrad nodes, which
 /// gives eager's stealing, layout and post-accumulate-grad-hook behaviour.
 void accumulate_leaf_grads(
@@ -233,8 +306,8 @@ variable_list compiled_backward_with_gil(
 
   GraphArgs args = lift_args(*state);
   nb::handle runtime(g_runtime);
-  const bool hit =
-      entry->compiled_fn.is_valid() && entry->expected_sizes == args.size_values;
+  const bool hit = entry->compiled_fn.is_valid() &&
+      sizes_match(*entry, args.size_values);
   nb::object compiled;
   std::vector<uint32_t> leaf_outputs;
   bool first_run = false;
@@ -246,7 +319,9 @@ variable_list compiled_backward_with_gil(
     compiled = entry->compiled_fn;
     leaf_outputs = entry->leaf_outputs;
     first_run = entry->first_run;
+    state->dynamic_sizes = entry->dynamic_sizes;
   } else {
+    choose_dynamic(*entry, args.size_values, *state);
     nb::object description = describe_backward(*state);
     auto captured = unpack_capture(runtime.attr("capture")(description));
     if (!captured) {
@@ -263,10 +338,13 @@ variable_list compiled_backward_with_gil(
       entry->compiled_fn = compiled;
       entry->leaf_outputs = leaf_outputs;
       entry->expected_sizes = args.size_values;
+      entry->dynamic_sizes = state->dynamic_sizes;
+      entry->tensor_shapes = tensor_shapes(*state);
       entry->first_run = true;
     }
     first_run = true;
   }
+  args.sizes = dynamic_size_args(state->dynamic_sizes, args.size_values);
 
   nb::object result;
   {
@@ -276,7 +354,12 @@ variable_list compiled_backward_with_gil(
       // user code (a hook, a Function's backward) propagates instead; see
       // [Note: Capture methods].
       result = runtime.attr("run_first")(
-          compiled, args.tensors, args.sizes, args.scalars, args.hooks);
+          compiled,
+          args.tensors,
+          args.sizes,
+          args.scalars,
+          args.hooks,
+          state->dynamic_dims);
       if (result.is_none()) {
         if (entry_alive()) {
           entry->failed = true;

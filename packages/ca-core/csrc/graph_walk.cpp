@@ -46,6 +46,20 @@ its key (one collect_size per tensor), so a later backward with the same key
 path has the same aliasing and the graph built for the first stays valid.
 AccumulateGrad's tensors are not graph inputs (the node runs after the graph).
 
+[Note: Dynamic sizes]
+Sizes (the SymInts a node's compiled_args visits: saved sizes, the shapes of
+its next edges' input metadata) are not part of the key. They are static at
+the first capture: the graph is specialised on them and the entry remembers
+them. A backward whose sizes differ from a static one is a miss; the sizes
+that changed become dynamic for good (ShadowNode::dynamic_sizes), the graph is
+captured again with them as inputs and the lifted tensors' dimensions that
+changed are marked dynamic before its first run, so a later new value is a
+hit and Dynamo does not recompile either. At most one recapture per newly
+changed size. A dynamic size reaches the graph as an empty tensor of shape
+(0, size) whose dim 1 Dynamo treats as a SymInt (a plain int cannot be marked
+dynamic); the graph unwraps it with .size(1). Negative values (not shapes)
+stay static.
+
 [Note: Hook order]
 The eager engine calls a node's tensor pre-hooks in registration order, Python
 and C++ ones interleaved, then its retain_grad hooks, then its grad_fn
@@ -81,6 +95,8 @@ void ShadowNode::clear() {
   next.clear();
   key_storage.clear();
   expected_sizes.clear();
+  dynamic_sizes.clear();
+  tensor_shapes.clear();
   compiled_fn = nb::object();
   failed = false;
   first_run = true;

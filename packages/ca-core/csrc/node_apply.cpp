@@ -9,6 +9,8 @@
 #include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/python_function.h>
+#include <torch/csrc/utils/pybind.h>
+#include <torch/csrc/utils/python_symnode.h>
 
 #include <cstring>
 #include <typeinfo>
@@ -34,6 +36,9 @@ struct ZerosSpec {
   nb::object dtype;
   /// torch.device of the forward output.
   nb::object device;
+  /// Index, among the node's size inputs, of the shape's first dimension
+  /// (output_info sizes are size inputs; see [Note: Dynamic sizes]).
+  uint32_t first_size = 0;
 };
 
 /// What capture() needs to call a Python torch.autograd.Function's backward
@@ -131,6 +136,10 @@ struct BackwardGraph {
   bool create_graph = false;
   /// False for torch.autograd.grad.
   bool accumulate_grad = true;
+  /// Per size input (size_offset-based indices): dynamic, i.e. passed in the
+  /// graph's `sizes` list (in order) instead of specialised; see
+  /// [Note: Dynamic sizes].
+  std::vector<bool> dynamic_sizes;
 };
 
 /// Sets applying_node() for the scope of one apply_with_saved.
@@ -196,11 +205,39 @@ std::vector<std::optional<c10::SymInt>> unpack_sizes(
   }
   for (size_t i = 0; i < expected; ++i) {
     nb::handle item = items[i];
-    if (!item.is_none()) {
+    if (item.is_none()) {
+      continue;
+    }
+    if (PyLong_CheckExact(item.ptr())) {
       sizes[i] = c10::SymInt(nb::cast<int64_t>(item));
+    } else {
+      // A torch.SymInt while Dynamo/AOTAutograd trace the graph.
+      sizes[i] = pybind11::cast<c10::SymInt>(pybind11::handle(item.ptr()));
     }
   }
   return sizes;
+}
+
+/// A lifted scalar as an IValue: int or float, or torch.SymInt/SymFloat while
+/// Dynamo traces the graph (it makes a scalar that changed dynamic).
+at::IValue scalar_ivalue(nb::handle value) {
+  if (PyFloat_CheckExact(value.ptr())) {
+    return at::IValue(nb::cast<double>(value));
+  }
+  if (PyLong_CheckExact(value.ptr())) {
+    return at::IValue(nb::cast<int64_t>(value));
+  }
+  pybind11::handle obj(value.ptr());
+  if (torch::is_symfloat(obj)) {
+    return at::IValue(pybind11::cast<c10::SymFloat>(obj));
+  }
+  if (torch::is_symint(obj)) {
+    return at::IValue(pybind11::cast<c10::SymInt>(obj));
+  }
+  throw nb::type_error(
+      (std::string("saved_scalars must hold int or float, got ") +
+       Py_TYPE(value.ptr())->tp_name)
+          .c_str());
 }
 
 std::function<std::string(const std::string&)> error_prefix(const Node& node) {
@@ -246,10 +283,7 @@ variable_list apply_with_saved(
     collected.tensor_args.lookup(lifted[i]).proxy_tensor = tensors[i];
   }
   for (size_t i = 0; i < scalar_args.size(); ++i) {
-    nb::handle value = scalars[i];
-    scalar_args[i].proxy = nb::isinstance<nb::float_>(value)
-        ? at::IValue(nb::cast<double>(value))
-        : at::IValue(nb::cast<int64_t>(value));
+    scalar_args[i].proxy = scalar_ivalue(scalars[i]);
   }
   collected.lifted_ivalue_args.next = 0;
   TraceState trace(
@@ -417,7 +451,11 @@ std::optional<FunctionInfo> describe_function(
   info.is_variable_input = f->is_variable_input;
   const size_t num_inputs = py_node->num_inputs();
   info.materialize.resize(num_inputs);
+  // PyNode::compiled_args visits its symints, then output_info's sizes.
+  uint32_t next_size = static_cast<uint32_t>(f->compiled_autograd_symints.size());
   for (size_t i = 0; i < num_inputs && i < f->output_info.size(); ++i) {
+    const uint32_t first_size = next_size;
+    next_size += static_cast<uint32_t>(f->output_info[i].size.size());
     const bool keep_undefined = !f->materialize_grads ||
         (py_node->input_metadata(i).was_default_constructed() &&
          !f->materialize_non_diff_grads);
@@ -432,6 +470,7 @@ std::optional<FunctionInfo> describe_function(
     spec.dtype = nb::borrow(
         reinterpret_cast<PyObject*>(torch::getTHPDtype(out.scalar_type)));
     spec.device = nb::steal(check_py(THPDevice_New(out.device)));
+    spec.first_size = first_size;
     info.materialize[i] = std::move(spec);
   }
   return info;
@@ -456,6 +495,7 @@ nb::object describe_backward(const BackwardState& state) {
   graph.keep_graph = state.keep_graph;
   graph.create_graph = state.create_graph;
   graph.accumulate_grad = state.accumulate_grad;
+  graph.dynamic_sizes = state.dynamic_sizes;
   graph.nodes.reserve(state.nodes.size());
   uint32_t hook_offset = 0;
   for (size_t i = 0; i < state.nodes.size(); ++i) {
@@ -538,7 +578,8 @@ void register_node_apply(nb::module_& m) {
   nb::class_<ZerosSpec>(m, "ZerosSpec", "Zeros a Python Function's backward gets for an undefined grad.")
       .def_ro("shape", &ZerosSpec::shape)
       .def_ro("dtype", &ZerosSpec::dtype)
-      .def_ro("device", &ZerosSpec::device);
+      .def_ro("device", &ZerosSpec::device)
+      .def_ro("first_size", &ZerosSpec::first_size);
   nb::class_<FunctionInfo>(m, "FunctionInfo", "How the graph calls a Python autograd.Function's backward.")
       .def_ro("ctx_hook", &FunctionInfo::ctx_hook)
       .def_ro("saved_slots", &FunctionInfo::saved_slots)
@@ -581,7 +622,8 @@ void register_node_apply(nb::module_& m) {
       .def_ro("num_scalars", &BackwardGraph::num_scalars)
       .def_ro("keep_graph", &BackwardGraph::keep_graph)
       .def_ro("create_graph", &BackwardGraph::create_graph)
-      .def_ro("accumulate_grad", &BackwardGraph::accumulate_grad);
+      .def_ro("accumulate_grad", &BackwardGraph::accumulate_grad)
+      .def_ro("dynamic_sizes", &BackwardGraph::dynamic_sizes);
 
   m.def(
       "apply_with_saved",

@@ -108,7 +108,7 @@ def build_graph_module(graph: ca_core.BackwardGraph) -> Capture:
     """The FX graph of one backward; raises UnsupportedNode for a node it cannot take."""
     fx = torch.fx.Graph()
     inputs = fx.placeholder("inputs")
-    fx.placeholder("sizes")
+    sizes = fx.placeholder("sizes")
     scalars = fx.placeholder("scalars")
     hooks = fx.placeholder("hooks")
 
@@ -121,6 +121,24 @@ def build_graph_module(graph: ca_core.BackwardGraph) -> Capture:
     lifted = [getitem(inputs, i) for i in range(graph.num_tensors)]
     lifted_scalars = [getitem(scalars, i) for i in range(graph.num_scalars)]
     hook_nodes: dict[int, torch.fx.Node] = {}
+    dynamic_positions = {
+        k: j for j, k in enumerate(k for k, dyn in enumerate(graph.dynamic_sizes) if dyn)
+    }
+    size_nodes: dict[int, torch.fx.Node] = {}
+
+    def size_at(k: int) -> torch.fx.Node | None:
+        """Graph value of size input ``k`` if it is dynamic, else None (static)."""
+        if k not in dynamic_positions:
+            return None
+        if k not in size_nodes:
+            size_nodes[k] = fx.call_function(
+                ops.unwrap_size, (getitem(sizes, dynamic_positions[k]),)
+            )
+        return size_nodes[k]
+
+    def sizes_for(first: int, count: int) -> list[Any] | None:
+        values = [size_at(first + i) for i in range(count)]
+        return None if all(v is None for v in values) else values
 
     def hook_at(i: int) -> torch.fx.Node:
         if i not in hook_nodes:
@@ -194,7 +212,7 @@ def build_graph_module(graph: ca_core.BackwardGraph) -> Capture:
         if handling is Handling.FUNCTION and node.function is None:
             handling = Handling.BREAK
         if handling is Handling.FUNCTION:
-            outputs = _call_function(fx, node, buffer, lifted, hook_at)
+            outputs = _call_function(fx, node, buffer, lifted, hook_at, size_at)
         else:
             saved = [lifted[slot] for slot in node.tensor_slots]
             saved_scalars = lifted_scalars[
@@ -204,10 +222,12 @@ def build_graph_module(graph: ca_core.BackwardGraph) -> Capture:
             if handling is Handling.BREAK:
                 graph_break(node, rule.reason or "it cannot be traced")
                 apply = ops.apply_with_saved_eager
+            apply_sizes = sizes_for(node.size_offset, node.num_apply_sizes)
             outputs = fx.call_function(
-                apply, (node.index, list(buffer), saved, None, saved_scalars)
+                apply, (node.index, list(buffer), saved, apply_sizes, saved_scalars)
             )
-        outputs = fx.call_function(ops.validate_outputs, (node.index, outputs, None))
+        validate_sizes = sizes_for(node.size_offset + node.num_apply_sizes, node.num_validate_sizes)
+        outputs = fx.call_function(ops.validate_outputs, (node.index, outputs, validate_sizes))
         grads = unpack(outputs, node.num_outputs)
         for post_hook in node.post_hooks:
             grads = unpack(
@@ -237,6 +257,7 @@ def _call_function(
     buffer: list[Any],
     lifted: list[torch.fx.Node],
     hook_at: Any,
+    size_at: Any,
 ) -> torch.fx.Node:
     """The graph calls a Python Function's backward itself.
 
@@ -254,9 +275,9 @@ def _call_function(
     grads: list[Any] = []
     for grad, spec in zip(buffer, function.materialize):
         if spec is not None:
-            grad = fx.call_function(
-                ops.materialize_grad, (grad, tuple(spec.shape), spec.dtype, spec.device)
-            )
+            dims = [size_at(node.size_offset + spec.first_size + d) for d in range(len(spec.shape))]
+            shape = [extent if dim is None else dim for dim, extent in zip(dims, spec.shape)]
+            grad = fx.call_function(ops.materialize_grad, (grad, shape, spec.dtype, spec.device))
         grads.append(grad)
     saved = [None if slot is None else lifted[slot] for slot in function.saved_slots]
     return fx.call_function(

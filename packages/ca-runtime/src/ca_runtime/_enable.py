@@ -67,7 +67,9 @@ def _resolve_compiler(compiler_fn: object) -> tuple[CompilerFn, str]:
         backend = compiler_fn
 
         def compile_with_backend(gm: torch.fx.GraphModule) -> Callable[..., Any]:
-            return torch.compile(gm, backend=backend, dynamic=False)
+            # dynamic=None: static first, and the dims ca_core marks dynamic
+            # (see [Note: Dynamic sizes]) are honoured.
+            return torch.compile(gm, backend=backend, dynamic=None)
 
         return compile_with_backend, f"torch.compile(backend={backend!r})"
     if not callable(compiler_fn):

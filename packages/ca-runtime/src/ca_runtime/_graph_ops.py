@@ -48,6 +48,7 @@ __all__ = [
     "call_pre_hook",
     "call_tensor_hook",
     "materialize_grad",
+    "unwrap_size",
     "validate_outputs",
 ]
 
@@ -115,8 +116,13 @@ def call_post_hook(
     return list(outputs) if result is None else list(result)
 
 
+def unwrap_size(size: torch.Tensor) -> int:
+    """A dynamic size, passed as an empty (0, size) tensor; see [Note: Dynamic sizes] in ca_core."""
+    return size.size(1)
+
+
 def materialize_grad(
-    grad: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    grad: torch.Tensor | None, shape: Sequence[int], dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
     """The zeros a Python Function's backward sees for an undefined grad."""
     if grad is None:

@@ -9,9 +9,10 @@ failure, never on a cache hit:
   callable and the walk index of each AccumulateGrad node whose grad the graph
   returns -- or None to run this backward (and every later one with the same
   key path) eagerly.
-- ``run_first(compiled, inputs, sizes, scalars, hooks)``: the first call of a
-  freshly compiled graph, where lazy compilers (``torch.compile``) do their
-  work; return its outputs, or None if compiling failed, with the same effect
+- ``run_first(compiled, inputs, sizes, scalars, hooks, dynamic_dims)``: the
+  first call of a freshly compiled graph, where lazy compilers
+  (``torch.compile``) do their work, after marking the dynamic sizes and the
+  tensor dims that changed (``dynamic_dims``) dynamic; return its outputs, or None if compiling failed, with the same effect
   as above. An exception raised by user code the graph calls (a hook, a
   Function's backward) is re-raised unchanged, as eager would raise it, and
   the entry stays usable.
@@ -140,7 +141,13 @@ class Runtime:
         sizes: list[int],
         scalars: list[int | float],
         hooks: list[Any],
+        dynamic_dims: Sequence[tuple[int, int]] = (),
     ) -> Sequence[torch.Tensor | None] | None:
+        # See [Note: Dynamic sizes] in ca_core: marks only matter while compiling.
+        for size in sizes:
+            torch._dynamo.maybe_mark_dynamic(size, 1)
+        for tensor_idx, dim in dynamic_dims:
+            torch._dynamo.maybe_mark_dynamic(inputs[tensor_idx], dim)
         try:
             return compiled(inputs, sizes, scalars, hooks)
         except Exception as e:
