@@ -9,9 +9,11 @@
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/dynamo/compiled_autograd.h>
 
+#include <array>
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <typeindex>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -85,6 +87,22 @@ struct NodeState {
 
 struct ShadowNode;
 
+/// What a node looked like when its key first led to a cache entry, kept to
+/// explain later misses in words; see [Note: Explained misses].
+struct NodeSummary {
+  /// Node::name().
+  std::string name;
+  /// Demangled C++ type.
+  std::string type;
+  /// Hooks by kind: Python tensor pre-hooks, C++ tensor pre-hooks (incl.
+  /// retain_grad), grad_fn pre-hooks, grad_fn post-hooks, post-accumulate-grad.
+  std::array<uint32_t, 5> hooks{};
+  /// Per lifted tensor: "dtype device [requires_grad]".
+  std::vector<std::string> tensors;
+  /// AccumulateGrad: 1 if the leaf's .grad was defined, 0 if not; else -1.
+  int grad_defined = -1;
+};
+
 /// Everything the walk of one backward produced; alive for that backward.
 struct BackwardState {
   /// Visited nodes in eager's execution order.
@@ -109,6 +127,10 @@ struct BackwardState {
   /// (lifted tensor, dim) pairs whose extent changed since the last capture:
   /// marked dynamic before the graph's first run.
   std::vector<std::pair<uint32_t, uint32_t>> dynamic_dims;
+  /// Walk index of the first node whose key was new to the cache, or -1.
+  int64_t miss_node = -1;
+  /// Why that key was new, in words; see [Note: Explained misses].
+  std::string miss_reason;
 };
 
 /// A node of the shadow-graph cache: one edge per distinct CacheKey.
@@ -138,7 +160,14 @@ struct ShadowNode {
   /// were accumulated inside the graph.
   std::vector<uint32_t> leaf_outputs;
 
-  ShadowNode* lookup(const CacheKey& key);
+  /// What the node whose key leads here looked like; see [Note: Explained misses].
+  std::unique_ptr<NodeSummary> summary;
+  /// Types of next nodes whose collection failed after this path: such a
+  /// backward goes eager at once, without a new warning.
+  std::vector<std::type_index> walk_failures;
+
+  /// The child for `key`, created (with `created` set) if new.
+  ShadowNode* lookup(const CacheKey& key, bool& created);
   void clear();
 };
 
@@ -149,10 +178,14 @@ uint64_t cache_generation();
 
 /// A node's compiled_args failed during the walk; names the node.
 struct WalkError : std::runtime_error {
-  WalkError(std::string node_name, const std::string& reason)
-      : std::runtime_error(reason), node(std::move(node_name)) {}
+  WalkError(std::string node_name, const std::string& reason, bool remembered)
+      : std::runtime_error(reason),
+        node(std::move(node_name)),
+        remembered(remembered) {}
   /// Node::name() of the node whose compiled_args threw.
   std::string node;
+  /// The failure was already reported for this path: no new warning.
+  bool remembered;
 };
 
 /// Walks the graph of `graph_task` from `root` in eager's order, computing
@@ -178,16 +211,14 @@ PyObject* installed_runtime();
 
 /// Installs ca_core's PyCompilerInterface for a scope, so that nodes'
 /// apply_with_saved run their functional backward on the values given.
+/// torch has one process-wide slot that refuses a second install, so scopes
+/// share one installation, counted across threads; see
+/// [Note: One compiler interface for all threads].
 struct InterfaceScope {
   InterfaceScope();
   ~InterfaceScope();
   InterfaceScope(const InterfaceScope&) = delete;
   InterfaceScope& operator=(const InterfaceScope&) = delete;
-
- private:
-  /// torch's guard (swaps the process-wide interface), behind a pointer so
-  /// this header needs no definition of it.
-  std::unique_ptr<torch::dynamo::autograd::PyCompilerGuard> guard_;
 };
 
 /// Borrowed pointer to a Python object torch collected (hook, ctx, packed data).

@@ -185,11 +185,37 @@ TraceabilityProbe* active_probe() {
   return t_probe;
 }
 
-InterfaceScope::InterfaceScope()
-    : guard_(std::make_unique<PyCompilerGuard>(
-          std::make_unique<CaCompilerInterface>())) {}
+/*
+[Note: One compiler interface for all threads]
+PyCompilerGuard asserts that no interface is installed when it installs one.
+A node applied on one thread can run Python (a Function's backward, an unpack
+hook) during which another thread applies a node of its own backward, so
+per-call guards would collide. Our interface keeps no state of its own (what
+varies per call is thread-local: the probe, the applying node), so all scopes
+share one installation: the first to open installs it, the last to close
+removes it.
+*/
+namespace {
+std::mutex g_interface_mutex;
+size_t g_interface_users = 0;
+std::unique_ptr<PyCompilerGuard> g_interface_guard;
+} // namespace
 
-InterfaceScope::~InterfaceScope() = default;
+InterfaceScope::InterfaceScope() {
+  std::lock_guard<std::mutex> lock(g_interface_mutex);
+  if (g_interface_users == 0) {
+    g_interface_guard = std::make_unique<PyCompilerGuard>(
+        std::make_unique<CaCompilerInterface>());
+  }
+  ++g_interface_users;
+}
+
+InterfaceScope::~InterfaceScope() {
+  std::lock_guard<std::mutex> lock(g_interface_mutex);
+  if (--g_interface_users == 0) {
+    g_interface_guard.reset();
+  }
+}
 
 void register_compiler_interface(nb::module_& m) {
   m.def(

@@ -227,6 +227,46 @@ void choose_dynamic(
   }
 }
 
+/// Why a backward missed an entry on its sizes alone; see [Note: Explained misses].
+void explain_sizes(
+    const ShadowNode& entry,
+    const std::vector<int64_t>& sizes,
+    BackwardState& state) {
+  if (state.miss_node >= 0 || !entry.compiled_fn.is_valid() ||
+      entry.expected_sizes.size() != sizes.size()) {
+    return;
+  }
+  std::string reason;
+  size_t shown = 0;
+  size_t node = 0;
+  size_t node_end = 0;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    while (node_end <= i && node < state.nodes.size()) {
+      const auto& ns = state.nodes[node++];
+      node_end += ns.collected ? ns.collected->all_size_inputs.size() : 0;
+    }
+    const bool was_dynamic = i < entry.dynamic_sizes.size() && entry.dynamic_sizes[i];
+    if (was_dynamic || sizes[i] == entry.expected_sizes[i]) {
+      continue;
+    }
+    if (state.miss_node < 0) {
+      state.miss_node = static_cast<int64_t>(node - 1);
+    }
+    if (shown++ < 3) {
+      const auto& owner = state.nodes[node - 1];
+      reason += std::string(reason.empty() ? "" : "; ") + "size input #" +
+          std::to_string(i) + " of " + owner.call.node->name() + " (node " +
+          std::to_string(node - 1) + ") changed from " +
+          std::to_string(entry.expected_sizes[i]) + " to " +
+          std::to_string(sizes[i]) + (sizes[i] >= 0 ? " and is now dynamic" : " (static: negative)");
+    }
+  }
+  if (shown > 3) {
+    reason += "; and " + std::to_string(shown - 3) + " more sizes";
+  }
+  state.miss_reason = reason;
+}
+
 /// The graph's `sizes` input: each dynamic size as an empty (0, size) tensor.
 nb::list dynamic_size_args(
     const std::vector<bool>& dynamic,
@@ -290,7 +330,11 @@ variable_list compiled_backward_with_gil(
   try {
     state = walk_graph(root, graph_task, output_edges);
   } catch (const WalkError& e) {
-    report_fallback(e.node, e.what());
+    if (e.remembered) {
+      ++g_counters.eager_fallbacks;
+    } else {
+      report_fallback(e.node, e.what());
+    }
     return run_eager(root, graph_task);
   }
   state->accumulate_grad = accumulate_grad;
@@ -321,6 +365,7 @@ variable_list compiled_backward_with_gil(
     first_run = entry->first_run;
     state->dynamic_sizes = entry->dynamic_sizes;
   } else {
+    explain_sizes(*entry, args.size_values, *state);
     choose_dynamic(*entry, args.size_values, *state);
     nb::object description = describe_backward(*state);
     auto captured = unpack_capture(runtime.attr("capture")(description));

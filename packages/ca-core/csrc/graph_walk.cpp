@@ -60,6 +60,17 @@ changed size. A dynamic size reaches the graph as an empty tensor of shape
 dynamic); the graph unwraps it with .size(1). Negative values (not shapes)
 stay static.
 
+[Note: Explained misses]
+When a node's key is new at a level of the tree that already has other
+children, the backward took a new path there: the walk records which node
+(its position in the walk) and why, by comparing what the node looks like now
+(NodeSummary: type, hook counts, lifted tensors' dtype/device/requires_grad,
+whether a leaf's .grad is defined) with the sibling that led to the cached
+path (same node type preferred), plus the byte range where the two keys
+differ. Summaries are made only when a child is created, i.e. on misses; the
+hit path never builds one. A miss caused by a changed static size is
+explained by the engine hook (which sizes, from what to what).
+
 [Note: Hook order]
 The eager engine calls a node's tensor pre-hooks in registration order, Python
 and C++ ones interleaved, then its retain_grad hooks, then its grad_fn
@@ -79,9 +90,10 @@ ShadowNode pointer is not trusted across such a call: clear_cache() bumps the
 generation and the engine hook re-checks it before storing a result.
 */
 
-ShadowNode* ShadowNode::lookup(const CacheKey& key) {
+ShadowNode* ShadowNode::lookup(const CacheKey& key, bool& created) {
   auto it = next.find(key);
-  if (it == next.end()) {
+  created = it == next.end();
+  if (created) {
     // The key's bytes live in CompiledNodeArgs' temporary buffer: copy them.
     CacheKeyBuffer buffer(key.key, key.key_size);
     CacheKey stored(key.node_type, buffer.get(), key.key_size);
@@ -102,6 +114,8 @@ void ShadowNode::clear() {
   first_run = true;
   hits = 0;
   leaf_outputs.clear();
+  summary.reset();
+  walk_failures.clear();
 }
 
 namespace {
@@ -172,6 +186,105 @@ void collect_node_call(CompiledNodeArgs& args, NodeState& ns, Node* fn) {
   }
   args.collect_size(call.pre_hooks.size());
   args.collect_size(call.post_hooks.size());
+}
+
+std::unique_ptr<NodeSummary> summarize(const NodeState& ns, Node* fn) {
+  auto summary = std::make_unique<NodeSummary>();
+  summary->name = fn->name();
+  summary->type = node_type_name(*fn);
+  for (const auto& h : ns.tensor_pre_hooks) {
+    ++summary->hooks[h.is_cpp ? 1 : 0];
+  }
+  summary->hooks[2] = static_cast<uint32_t>(ns.call.pre_hooks.size());
+  summary->hooks[3] = static_cast<uint32_t>(ns.call.post_hooks.size());
+  summary->hooks[4] = static_cast<uint32_t>(ns.call.post_acc_grad_hooks.size());
+  if (ns.collected) {
+    for (const auto& t : ns.collected->tensor_args.inputs) {
+      std::string desc = std::string(c10::toString(t.scalar_type())) + " " +
+          t.device().str() + (t.requires_grad() ? " requires_grad" : "");
+      summary->tensors.push_back(std::move(desc));
+    }
+  }
+  if (ns.is_accumulate_grad) {
+    summary->grad_defined =
+        static_cast<AccumulateGrad*>(fn)->variable.grad().defined() ? 1 : 0;
+  }
+  return summary;
+}
+
+/// Why `now` (with key `key`) is not the cached sibling; see [Note: Explained misses].
+std::string explain_new_key(
+    const ShadowNode& parent,
+    const ShadowNode* created,
+    const CacheKey& key,
+    const NodeSummary& now) {
+  const CacheKey* best_key = nullptr;
+  const NodeSummary* best = nullptr;
+  for (const auto& [k, child] : parent.next) {
+    if (child.get() == created || !child->summary) {
+      continue;
+    }
+    if (best == nullptr || (child->summary->type == now.type && best->type != now.type)) {
+      best = child->summary.get();
+      best_key = &k;
+    }
+  }
+  if (best == nullptr) {
+    return "a new path in the cache";
+  }
+  std::vector<std::string> reasons;
+  if (best->type != now.type) {
+    reasons.push_back("node type " + now.type + " where the cached graph has " + best->type + " (" + best->name + ")");
+  } else {
+    static const char* kinds[] = {
+        "Python tensor hooks", "C++ tensor hooks / retain_grad",
+        "grad_fn pre-hooks", "grad_fn hooks", "post-accumulate-grad hooks"};
+    for (size_t i = 0; i < now.hooks.size(); ++i) {
+      if (now.hooks[i] != best->hooks[i]) {
+        reasons.push_back(
+            std::string(now.hooks[i] > best->hooks[i] ? "a hook was added" : "a hook was removed") +
+            " (" + kinds[i] + ": " + std::to_string(best->hooks[i]) + " -> " +
+            std::to_string(now.hooks[i]) + ")");
+      }
+    }
+    if (now.grad_defined != best->grad_defined && now.grad_defined >= 0) {
+      reasons.push_back(now.grad_defined ? "the leaf's .grad became defined" : "the leaf's .grad became None");
+    } else if (now.tensors.size() != best->tensors.size()) {
+      reasons.push_back(
+          "it saves " + std::to_string(now.tensors.size()) + " tensors, the cached graph " +
+          std::to_string(best->tensors.size()));
+    } else {
+      for (size_t i = 0; i < now.tensors.size(); ++i) {
+        if (now.tensors[i] != best->tensors[i]) {
+          reasons.push_back(
+              "saved tensor #" + std::to_string(i) + " is " + now.tensors[i] +
+              ", was " + best->tensors[i]);
+        }
+      }
+    }
+  }
+  // Byte range where the keys differ.
+  const size_t n = std::min<size_t>(key.key_size, best_key->key_size);
+  size_t first = 0;
+  while (first < n && key.key[first] == best_key->key[first]) {
+    ++first;
+  }
+  size_t tail = 0;
+  while (tail < n - first &&
+         key.key[key.key_size - 1 - tail] == best_key->key[best_key->key_size - 1 - tail]) {
+    ++tail;
+  }
+  std::string detail = "key bytes [" + std::to_string(first) + ", " +
+      std::to_string(key.key_size - tail) + ") of " + std::to_string(key.key_size) +
+      " differ from the cached key (" + std::to_string(best_key->key_size) + " bytes)";
+  if (reasons.empty()) {
+    reasons.push_back("a specialised value changed");
+  }
+  std::string out;
+  for (const auto& r : reasons) {
+    out += (out.empty() ? "" : "; ") + r;
+  }
+  return out + "; " + detail;
 }
 
 } // namespace
@@ -251,6 +364,11 @@ std::unique_ptr<BackwardState> walk_graph(
         std::make_unique<AutogradCompilerCall>(SizeInput::STATIC);
 
     try {
+      for (const auto& failed : cache->walk_failures) {
+        if (failed == std::type_index(typeid(*fn))) {
+          throw WalkError(fn->name(), "collection failed before on this path", true);
+        }
+      }
       CompiledNodeArgs args(*ns.collected, call);
       collect_node_call(args, ns, fn);
       if (args.cond(call.needed)) {
@@ -281,11 +399,26 @@ std::unique_ptr<BackwardState> walk_graph(
           }
         }
       }
-      cache = cache->lookup(args.key());
+      const CacheKey key = args.key();
+      bool created = false;
+      ShadowNode* parent = cache;
+      cache = parent->lookup(key, created);
+      if (created) {
+        cache->summary = summarize(ns, fn);
+        if (state->miss_node < 0 && parent->next.size() > 1) {
+          state->miss_node = walk_idx;
+          state->miss_reason =
+              explain_new_key(*parent, cache, key, *cache->summary);
+        }
+      }
+    } catch (const WalkError&) {
+      throw;
     } catch (const c10::Error& e) {
-      throw WalkError(fn->name(), e.what_without_backtrace());
+      cache->walk_failures.emplace_back(typeid(*fn));
+      throw WalkError(fn->name(), e.what_without_backtrace(), false);
     } catch (const std::exception& e) {
-      throw WalkError(fn->name(), e.what());
+      cache->walk_failures.emplace_back(typeid(*fn));
+      throw WalkError(fn->name(), e.what(), false);
     }
 
     for (const auto& edge : fn->next_edges()) {
@@ -325,8 +458,8 @@ void register_graph_walk(nb::module_& m) {
   m.def(
       "cache_entries",
       []() {
-        // Depth-first over the tree: (key-path length, hits, failed) per
-        // compiled or failed entry.
+        // Depth-first over the tree: (key-path length, hits, failed,
+        // dynamic sizes, sizes) per compiled or failed entry.
         nb::list out;
         std::vector<std::pair<const ShadowNode*, size_t>> stack{
             {&cache_root(), 0}};
@@ -334,7 +467,13 @@ void register_graph_walk(nb::module_& m) {
           auto [node, depth] = stack.back();
           stack.pop_back();
           if (node->compiled_fn.is_valid() || node->failed) {
-            out.append(nb::make_tuple(depth, node->hits, node->failed));
+            size_t dynamic = 0;
+            for (bool d : node->dynamic_sizes) {
+              dynamic += d ? 1 : 0;
+            }
+            out.append(nb::make_tuple(
+                depth, node->hits, node->failed, dynamic,
+                node->expected_sizes.size()));
           }
           for (const auto& [_, child] : node->next) {
             stack.emplace_back(child.get(), depth + 1);
@@ -342,7 +481,8 @@ void register_graph_walk(nb::module_& m) {
         }
         return out;
       },
-      "(key_path_length, hits, failed) of every cache entry.");
+      "(key_path_length, hits, failed, num_dynamic_sizes, num_sizes) of "
+      "every cache entry.");
 }
 
 } // namespace ca

@@ -140,6 +140,11 @@ struct BackwardGraph {
   /// graph's `sizes` list (in order) instead of specialised; see
   /// [Note: Dynamic sizes].
   std::vector<bool> dynamic_sizes;
+  /// Walk index of the node where this backward left the cached paths, or
+  /// None (first capture); see [Note: Explained misses].
+  std::optional<uint32_t> miss_node;
+  /// Why, in words (empty for a first capture).
+  std::string miss_reason;
 };
 
 /// Sets applying_node() for the scope of one apply_with_saved.
@@ -496,6 +501,10 @@ nb::object describe_backward(const BackwardState& state) {
   graph.create_graph = state.create_graph;
   graph.accumulate_grad = state.accumulate_grad;
   graph.dynamic_sizes = state.dynamic_sizes;
+  if (state.miss_node >= 0) {
+    graph.miss_node = static_cast<uint32_t>(state.miss_node);
+  }
+  graph.miss_reason = state.miss_reason;
   graph.nodes.reserve(state.nodes.size());
   uint32_t hook_offset = 0;
   for (size_t i = 0; i < state.nodes.size(); ++i) {
@@ -623,7 +632,9 @@ void register_node_apply(nb::module_& m) {
       .def_ro("keep_graph", &BackwardGraph::keep_graph)
       .def_ro("create_graph", &BackwardGraph::create_graph)
       .def_ro("accumulate_grad", &BackwardGraph::accumulate_grad)
-      .def_ro("dynamic_sizes", &BackwardGraph::dynamic_sizes);
+      .def_ro("dynamic_sizes", &BackwardGraph::dynamic_sizes)
+      .def_ro("miss_node", &BackwardGraph::miss_node)
+      .def_ro("miss_reason", &BackwardGraph::miss_reason);
 
   m.def(
       "apply_with_saved",

@@ -23,7 +23,7 @@ import torch
 from ca_runtime._runtime import CompilerFn, Runtime, graph_break_count, reset_graph_breaks
 from ca_runtime._torch_interop import keep_hook_across_torch_disable
 
-__all__ = ["disable", "enable", "reset", "stats"]
+__all__ = ["CacheEntry", "cache_info", "disable", "enable", "reset", "stats"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,3 +133,24 @@ def stats() -> dict[str, int]:
         "graph_breaks": graph_break_count(),
         "eager_fallbacks": counters["eager_fallbacks"],
     }
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheEntry:
+    """One captured backward in the shadow-graph cache."""
+
+    #: Number of nodes on its key path (the backward's node count).
+    key_path_length: int
+    #: Backwards served from it since it was captured.
+    hits: int
+    #: Capture or compile failed here: matching backwards run eagerly.
+    failed: bool
+    #: Sizes that are graph inputs (changed since the first capture).
+    dynamic_sizes: int
+    #: All size inputs of the backward.
+    sizes: int
+
+
+def cache_info() -> list[CacheEntry]:
+    """Every entry of the shadow-graph cache; see also ``last_graph()``."""
+    return [CacheEntry(*entry) for entry in ca_core.cache_entries()]

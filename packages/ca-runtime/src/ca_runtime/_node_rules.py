@@ -67,6 +67,12 @@ NODE_RULES: tuple[NodeRule, ...] = (
         "reentrant checkpoint runs a backward inside its backward",
         name="CheckpointFunctionBackward",
     ),
+    NodeRule(
+        "torch::autograd::PyNode",
+        Handling.UNSUPPORTED,
+        "the backward of a torch.compile'd region (AOTAutograd) is not captured yet",
+        name="CompiledFunctionBackward*",
+    ),
     NodeRule("torch::autograd::PyNode", Handling.FUNCTION),
     NodeRule(
         "torch::autograd::CppNode<*>",

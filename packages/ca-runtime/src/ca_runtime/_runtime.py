@@ -30,6 +30,7 @@ is counted, and logged (logger ``ca_runtime``, INFO) and warned
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import warnings
@@ -42,11 +43,17 @@ import torch
 from torch._dynamo.external_utils import call_backward
 
 from ca_runtime._capture import UnsupportedNode, build_graph_module
-from ca_runtime._log import EagerFallbackWarning, GraphBreakWarning, log
+from ca_runtime._log import EagerFallbackWarning, GraphBreakWarning, log, miss_log
 
-__all__ = ["Runtime", "graph_break_count", "reset_graph_breaks"]
+__all__ = ["Runtime", "graph_break_count", "last_graph", "reset_graph_breaks"]
 
 _graph_breaks = 0
+_last_graph: torch.fx.GraphModule | None = None
+
+
+def last_graph() -> torch.fx.GraphModule | None:
+    """The FX graph of the most recent capture (``print(last_graph().code)``), or None."""
+    return _last_graph
 _logged_breaks: set[tuple[str, str]] = set()
 
 
@@ -112,6 +119,9 @@ class Runtime:
             return None
         gm = captured.graph_module
         self.last_graph = gm
+        global _last_graph
+        _last_graph = gm
+        self._log_miss(graph)
         log.debug("captured backward of %d nodes:\n%s", len(graph.nodes), gm.code)
         try:
             compiled = self.compiler_fn(gm)
@@ -155,6 +165,20 @@ class Runtime:
                 raise
             self._fallback("compiled graph", f"first run failed: {type(e).__name__}: {e}")
             return None
+
+    @staticmethod
+    def _log_miss(graph: ca_core.BackwardGraph) -> None:
+        """See [Note: Explained misses] in ca_core."""
+        if graph.miss_node is None or not miss_log.isEnabledFor(logging.INFO):
+            return
+        node = graph.nodes[graph.miss_node]
+        miss_log.info(
+            "cache miss at %s (node %d of %d in the walk): %s",
+            node.name,
+            node.index,
+            len(graph.nodes),
+            graph.miss_reason,
+        )
 
     def report_fallback(self, node: str, reason: str) -> None:
         self._fallback(node, reason)

@@ -1,0 +1,255 @@
+"""Cache semantics: dynamic sizes, explained misses, introspection, robustness."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import threading
+import warnings
+import weakref
+
+import ca_core
+import ca_runtime
+import pytest
+import torch
+from ca_testkit import compare
+from ca_testkit.scenarios import make_mlp
+
+BATCH_SWEEP = [4, 8, 16, 32, 8, 64]
+
+
+def _mlp_batch_step(model: torch.nn.Module, sizes: list[int]):
+    def step(i: int) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(i)
+        x = torch.randn(sizes[i], model[0].in_features, generator=gen)
+        y = torch.randint(0, model[-1].out_features, (sizes[i],), generator=gen)
+        model.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        return loss.detach()
+
+    return step
+
+
+def test_batch_sweep_at_most_two_captures(backend: str) -> None:
+    model = make_mlp()
+    result = compare(_mlp_batch_step(model, BATCH_SWEEP), backend, tensors=model, steps=len(BATCH_SWEEP))
+    result.assert_ok()
+    assert result.stats["captures"] == 2  # static first, then the batch size is dynamic
+    assert result.stats["cache_hits"] == len(BATCH_SWEEP) - 2
+    (entry,) = ca_runtime.cache_info()
+    assert entry.dynamic_sizes > 0 and entry.hits == len(BATCH_SWEEP) - 2
+
+
+def test_batch_sweep_does_not_recompile_in_dynamo(backend: str) -> None:
+    from torch._dynamo.utils import counters
+
+    model = make_mlp()
+    counters.clear()
+    compare(_mlp_batch_step(model, BATCH_SWEEP), backend, tensors=model, steps=len(BATCH_SWEEP)).assert_ok()
+    assert counters["stats"]["unique_graphs"] == 2
+
+
+def test_sequence_length_changes_on_a_transformer_layer(backend: str) -> None:
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(d_model=16, nhead=2, dim_feedforward=32, dropout=0.0, batch_first=True)
+    lengths = [5, 7, 9, 5, 12]
+
+    def step(i: int) -> None:
+        x = torch.randn(2, lengths[i], 16, generator=torch.Generator().manual_seed(i))
+        layer.zero_grad(set_to_none=True)
+        layer(x).pow(2).mean().backward()
+
+    result = compare(step, backend, tensors=layer, steps=len(lengths))
+    result.assert_ok()
+    assert result.stats["captures"] <= 2
+
+
+@pytest.fixture
+def miss_log(caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
+    caplog.set_level(logging.INFO, logger="ca_runtime.misses")
+    return caplog
+
+
+def _misses(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "ca_runtime.misses"]
+
+
+def test_miss_reasons_are_logged(backend: str, miss_log: pytest.LogCaptureFixture) -> None:
+    model = make_mlp()
+    with ca_runtime.enable(backend):
+        model(torch.randn(4, model[0].in_features)).sum().backward()  # first capture: no line
+        assert _misses(miss_log) == []
+        model(torch.randn(4, model[0].in_features)).sum().backward()
+        (grad_defined,) = _misses(miss_log)
+        model(torch.randn(8, model[0].in_features)).sum().backward()
+        size_changed = _misses(miss_log)[-1]
+        out = model(torch.randn(8, model[0].in_features))
+        out.register_hook(lambda g: g)
+        out.sum().backward()
+        hook_added = _misses(miss_log)[-1]
+        model.double()
+        model(torch.randn(8, model[0].in_features, dtype=torch.float64)).sum().backward()
+        dtype_changed = _misses(miss_log)[-1]
+    assert "AccumulateGrad" in grad_defined and ".grad became defined" in grad_defined
+    assert "changed from 4 to 8 and is now dynamic" in size_changed
+    assert "a hook was added (Python tensor hooks: 0 -> 1)" in hook_added
+    assert "Double cpu, was Float cpu" in dtype_changed
+    assert all("node " in m and "key bytes" in m for m in (grad_defined, hook_added, dtype_changed))
+    assert ca_runtime.stats()["captures"] == 5
+
+
+def test_last_graph_is_readable_code(backend: str) -> None:
+    model = make_mlp()
+    with ca_runtime.enable(backend):
+        model(torch.randn(4, model[0].in_features)).sum().backward()
+    code = ca_runtime.last_graph().code
+    assert "def forward(self, inputs, sizes, scalars, hooks)" in code
+    assert "apply_with_saved" in code and "validate_outputs" in code
+
+
+def test_create_graph_double_backward(backend: str) -> None:
+    x = torch.randn(5, requires_grad=True)
+
+    def step() -> torch.Tensor:
+        (grad,) = torch.autograd.grad((x**3).sin().sum(), x, create_graph=True)
+        grad.pow(2).sum().backward()
+        return grad.detach()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ca_runtime.EagerFallbackWarning)
+        compare(step, backend, tensors=[x], steps=2).assert_ok()
+
+
+def test_retain_graph_repeated_backward(backend: str) -> None:
+    x = torch.randn(5, requires_grad=True)
+
+    def step() -> None:
+        y = (x.exp() * x).sum()
+        y.backward(retain_graph=True)
+        y.backward(retain_graph=True)
+        y.backward()
+
+    result = compare(step, backend, tensors=[x], steps=2)
+    result.assert_ok()
+    assert result.stats["eager_fallbacks"] == 0
+
+
+def test_failing_capture_falls_back_once_and_is_remembered(
+    backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ca_runtime import _runtime
+
+    def broken(graph):
+        raise RuntimeError("capture bug injected by the test")
+
+    monkeypatch.setattr(_runtime, "build_graph_module", broken)
+    model = make_mlp()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = compare(_mlp_batch_step(model, [4, 4, 4]), backend, tensors=model, steps=3)
+    result.assert_ok()
+    fallbacks = [w for w in caught if issubclass(w.category, ca_runtime.EagerFallbackWarning)]
+    assert len(fallbacks) == 1 and "capture bug injected" in str(fallbacks[0].message)
+    assert result.stats["eager_fallbacks"] == 3
+
+
+def test_reentrant_backward_inside_a_hook(backend: str) -> None:
+    x = torch.randn(4, requires_grad=True)
+    inner = torch.randn(4, requires_grad=True)
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        with torch.enable_grad():
+            (inner * 3).sum().backward()  # a backward inside a backward
+        return grad * 2
+
+    def step() -> None:
+        y = x * x
+        y.register_hook(hook)
+        y.sum().backward()
+
+    compare(step, backend, tensors=[x, inner], steps=2).assert_ok()
+
+
+def test_two_threads_backward_at_once(backend: str) -> None:
+    errors: list[BaseException] = []
+
+    def train(model: torch.nn.Module, seed: int, out: list[list[torch.Tensor]]) -> None:
+        try:
+            gen = torch.Generator().manual_seed(seed)
+            for _ in range(50):
+                x = torch.randn(4, model[0].in_features, generator=gen)
+                model(x).pow(2).mean().backward()
+            out.append([p.grad.clone() for p in model.parameters()])
+        except BaseException as e:  # re-raised in the main thread below
+            errors.append(e)
+
+    def run(enabled: bool) -> list[list[torch.Tensor]]:
+        results: list[list[torch.Tensor]] = [[], []]
+        models = [make_mlp(), make_mlp()]
+        threads = [threading.Thread(target=train, args=(models[i], i, results[i])) for i in range(2)]
+        ctx = ca_runtime.enable(backend) if enabled else ca_runtime.disable()
+        with ctx:
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        if errors:
+            raise errors[0]
+        return [r[0] for r in results]
+
+    eager, compiled = run(False), run(True)
+    for want, got in zip(eager, compiled):
+        for w, g in zip(want, got):
+            torch.testing.assert_close(g, w)
+    assert ca_runtime.stats()["cache_hits"] > 0
+
+
+def test_saved_activations_are_freed_after_backward(backend: str) -> None:
+    model = make_mlp()
+    with ca_runtime.enable(backend):
+        for _ in range(3):
+            hidden = model[1](model[0](torch.randn(4, model[0].in_features)))
+            probe = weakref.ref(hidden)
+            model[2](hidden).sum().backward()
+            del hidden
+            gc.collect()
+            assert probe() is None, "a saved activation outlived its backward"
+
+
+def test_thousand_steps_keep_one_entry_and_flat_memory(backend: str) -> None:
+    import resource
+
+    model = make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(0)
+
+    def steps(n: int) -> None:
+        for _ in range(n):
+            x = torch.randn(8, model[0].in_features, generator=gen)
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            opt.step()
+
+    with ca_runtime.enable(backend):
+        steps(100)  # warm up: captures, allocator pools
+        gc.collect()
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        steps(1000)
+        gc.collect()
+        after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    assert len(ca_runtime.cache_info()) == 1
+    assert after - before < 20 * 1024, f"max RSS grew by {(after - before) / 1024:.1f} MiB"
+
+
+def test_cache_info_reports_entries(backend: str) -> None:
+    model = make_mlp()
+    with ca_runtime.enable(backend):
+        for _ in range(3):
+            model(torch.randn(4, model[0].in_features)).sum().backward()
+    entries = ca_runtime.cache_info()
+    # .grad None on the first backward, defined on the next two.
+    assert sorted(e.hits for e in entries) == [0, 1]
+    assert len({e.key_path_length for e in entries}) == 1 and entries[0].key_path_length > len(model)
+    assert not any(e.failed for e in entries)
+    assert len(ca_core.cache_entries()) == len(entries)
