@@ -11,6 +11,16 @@
 
 #include <mutex>
 
+// Exported by libtorch_python; declared here rather than including
+// <torch/csrc/jit/python/pybind_utils.h>, which pulls in much of the JIT.
+namespace torch::jit {
+c10::IValue toIValue(
+    pybind11::handle obj,
+    const c10::TypePtr& type,
+    std::optional<int32_t> N);
+pybind11::object toPyObject(c10::IValue ivalue);
+} // namespace torch::jit
+
 namespace ca {
 
 using torch::autograd::functional_apply_t;
@@ -27,6 +37,19 @@ interface to run it (call_function(name, grads, packed_args)). The registry
 below keeps every functional we were handed, by name. CppNode (C++
 torch::autograd::Function) binds on every call, so its entry is refreshed each
 time, together with its is_traceable flag.
+
+[Note: Sharing functionals with torch]
+A generated node binds its functional only once per process, to whichever
+compiled autograd asks first. So that torch's built-in compiled autograd
+(torch._dynamo.compiled_autograd) and ours work in one process in either
+order, both ways are bridged:
+  - when we are handed a functional, we also add it to torch's `ops`
+    namespace as a Python callable fn(grads, *packed_args) (the convention of
+    torch's own entries), converting the Python args back to IValues with
+    the bound schema;
+  - when a functional was bound to torch first, call_function finds it in
+    torch's `ops` and calls it with the packed args converted to Python.
+CppNode functionals are not shared: they bind on every call anyway.
 */
 
 namespace {
@@ -53,6 +76,76 @@ Registry& registry() {
   return *r;
 }
 
+/// torch._dynamo.compiled_autograd.ops, or None if it cannot be imported.
+nb::object torch_ops() {
+  try {
+    return nb::module_::import_("torch._dynamo.compiled_autograd").attr("ops");
+  } catch (const nb::python_error&) {
+    return nb::none();
+  }
+}
+
+/// Adds one of our functionals to torch's ops; see [Note: Sharing functionals with torch].
+void share_with_torch(
+    const std::string& name,
+    const functional_apply_t& fn,
+    const std::vector<at::TypePtr>& schema,
+    bool is_traceable) {
+  nb::object ops = torch_ops();
+  if (ops.is_none() || nb::hasattr(ops, name.c_str())) {
+    return;
+  }
+  nb::object callable = nb::cpp_function(
+      [fn, schema](nb::args args) -> variable_list {
+        TORCH_CHECK(
+            nb::len(args) == schema.size() + 1,
+            "ca_core: shared functional expects grads and ",
+            schema.size(),
+            " packed args, got ",
+            nb::len(args));
+        variable_list grads;
+        for (nb::handle g : nb::borrow<nb::sequence>(args[0])) {
+          grads.push_back(unpack_tensor(g.ptr(), "grads"));
+        }
+        ivalue_list packed;
+        packed.reserve(schema.size());
+        for (size_t i = 0; i < schema.size(); ++i) {
+          packed.push_back(torch::jit::toIValue(
+              pybind11::handle(args[i + 1].ptr()), schema[i], std::nullopt));
+        }
+        return fn(grads, packed);
+      });
+  ops.attr("add")(name, callable, false, is_traceable);
+}
+
+/// Runs a functional that was bound to torch's compiled autograd first.
+variable_list call_torch_functional(
+    const std::string& name,
+    const variable_list& inputs,
+    const ivalue_list& packed_args) {
+  nb::object ops = torch_ops();
+  TORCH_CHECK_NOT_IMPLEMENTED(
+      !ops.is_none() && nb::hasattr(ops, name.c_str()),
+      "ca_core: the functional backward of ",
+      name,
+      " was never bound in this process");
+  nb::list args;
+  nb::list grads;
+  for (const auto& t : inputs) {
+    grads.append(nb::steal(wrap_tensor(t)));
+  }
+  args.append(grads);
+  for (const auto& iv : packed_args) {
+    args.append(nb::steal(torch::jit::toPyObject(iv).release().ptr()));
+  }
+  nb::object result = ops.attr(name.c_str())(*nb::tuple(args));
+  variable_list out;
+  for (nb::handle t : nb::borrow<nb::sequence>(result)) {
+    out.push_back(unpack_tensor(t.ptr(), "a functional's result"));
+  }
+  return out;
+}
+
 class CaCompilerInterface final : public PyCompilerInterface {
  public:
   std::string bind_function(
@@ -64,6 +157,9 @@ class CaCompilerInterface final : public PyCompilerInterface {
       bool is_traceable) const override {
     if (TraceabilityProbe* probe = active_probe()) {
       probe->is_traceable = is_traceable;
+    }
+    if (!is_custom_function) {
+      share_with_torch(fn_name, fn, packed_args_schema, is_traceable);
     }
     auto& r = registry();
     std::lock_guard<std::mutex> lock(r.mutex);
@@ -92,13 +188,14 @@ class CaCompilerInterface final : public PyCompilerInterface {
       auto& r = registry();
       std::lock_guard<std::mutex> lock(r.mutex);
       auto it = r.functionals.find(fn_name);
-      TORCH_CHECK_NOT_IMPLEMENTED(
-          it != r.functionals.end(),
-          "ca_core: the functional backward of ",
-          fn_name,
-          " was never bound in this process (another compiled autograd "
-          "received it first)");
-      fn = it->second.fn;
+      if (it != r.functionals.end()) {
+        fn = it->second.fn;
+      }
+    }
+    if (!fn) {
+      // Bound to torch's compiled autograd before we ran; see
+      // [Note: Sharing functionals with torch].
+      return call_torch_functional(fn_name, inputs, packed_args);
     }
     return fn(inputs, packed_args);
   }

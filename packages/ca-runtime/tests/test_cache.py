@@ -253,3 +253,21 @@ def test_cache_info_reports_entries(backend: str) -> None:
     assert len({e.key_path_length for e in entries}) == 1 and entries[0].key_path_length > len(model)
     assert not any(e.failed for e in entries)
     assert len(ca_core.cache_entries()) == len(entries)
+
+
+@pytest.mark.parametrize("order", ["torch_first", "ours_first", "alternate"])
+def test_coexists_with_torch_builtin_compiled_autograd(order: str) -> None:
+    import pathlib
+    import subprocess
+    import sys
+
+    script = pathlib.Path(__file__).parent / "scripts" / "coexistence.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), order, "aot_eager"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.endswith(("ok", "MISMATCH"))]
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert len(lines) == (20 if order == "alternate" else 4) and all(line.endswith(" ok") for line in lines)
