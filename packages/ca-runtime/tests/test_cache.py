@@ -271,3 +271,13 @@ def test_coexists_with_torch_builtin_compiled_autograd(order: str) -> None:
     lines = [line for line in proc.stdout.splitlines() if line.endswith(("ok", "MISMATCH"))]
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert len(lines) == (20 if order == "alternate" else 4) and all(line.endswith(" ok") for line in lines)
+
+
+def test_ca_logs_env_enables_miss_lines(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ca_runtime import _log
+
+    monkeypatch.setenv("CA_LOGS", "graph,misses")
+    monkeypatch.setattr(_log.miss_log, "handlers", [])
+    monkeypatch.setattr(_log.miss_log, "level", logging.NOTSET)
+    _log._configure_from_env()
+    assert _log.miss_log.handlers and _log.miss_log.isEnabledFor(logging.INFO)

@@ -176,8 +176,24 @@ def test_failing_compiler_falls_back(backend: str) -> None:
     def broken(gm: torch.fx.GraphModule):
         raise RuntimeError("compiler exploded")
 
-    with pytest.warns(ca_runtime.EagerFallbackWarning, match="compiler exploded"):
-        result = ca_testkit.compare(mlp_step(model), broken, tensors=model, steps=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = ca_testkit.compare(mlp_step(model), broken, tensors=model, steps=3)
+    result.assert_ok()
+    fallbacks = [str(w.message) for w in caught if issubclass(w.category, ca_runtime.EagerFallbackWarning)]
+    assert len(fallbacks) == 1 and "compiler exploded" in fallbacks[0]  # the key path is remembered
+    assert result.stats["eager_fallbacks"] == 3
+
+
+def test_backend_failing_on_first_run_falls_back() -> None:
+    # torch.compile is lazy: the backend runs (and fails) on the graph's first call.
+    def exploding_backend(gm, example_inputs):
+        raise RuntimeError("backend exploded")
+
+    model = make_mlp()
+    compiler = lambda gm: torch.compile(gm, backend=exploding_backend)  # noqa: E731
+    with pytest.warns(ca_runtime.EagerFallbackWarning, match="backend exploded"):
+        result = ca_testkit.compare(mlp_step(model), compiler, tensors=model, steps=2)
     result.assert_ok()
     assert result.stats["eager_fallbacks"] == 2
 

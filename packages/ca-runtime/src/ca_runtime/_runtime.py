@@ -76,6 +76,17 @@ _FRAMEWORK_DIRS = tuple(
 )
 
 
+def _describe(error: BaseException) -> str:
+    """``Type: first line``, followed by the same for its cause (Dynamo wraps backend errors)."""
+    parts = []
+    seen: BaseException | None = error
+    while seen is not None and len(parts) < 3:
+        lines = str(seen).strip().splitlines()
+        parts.append(f"{type(seen).__name__}: {lines[0] if lines else ''}".rstrip(": "))
+        seen = seen.__cause__ or getattr(seen, "inner_exception", None)
+    return " <- ".join(parts)
+
+
 def _raised_by_user_code(error: BaseException) -> bool:
     """Whether ``error`` came from user code the graph called, not from compiling it.
 
@@ -115,7 +126,7 @@ class Runtime:
             self._fallback(e.node_name, e.reason)
             return None
         except Exception as e:  # a capture bug must not kill the training step
-            self._fallback("capture", f"{type(e).__name__}: {e}")
+            self._fallback("capture", _describe(e))
             return None
         gm = captured.graph_module
         self.last_graph = gm
@@ -126,7 +137,7 @@ class Runtime:
         try:
             compiled = self.compiler_fn(gm)
         except Exception as e:
-            self._fallback("compiler_fn", f"{type(e).__name__}: {e}")
+            self._fallback("compiler_fn", _describe(e))
             return None
         if not callable(compiled):
             self._fallback("compiler_fn", f"returned {type(compiled).__name__}, not a callable")
@@ -163,7 +174,7 @@ class Runtime:
         except Exception as e:
             if _raised_by_user_code(e):
                 raise
-            self._fallback("compiled graph", f"first run failed: {type(e).__name__}: {e}")
+            self._fallback("compiled graph", "first run failed: " + _describe(e))
             return None
 
     @staticmethod
