@@ -31,11 +31,38 @@ def _run_tests(session: nox.Session, *paths: str, workers: str = "auto") -> None
     session.run("pytest", *args)
 
 
+TESTKIT_EXTRAS = ("expecttest", "hypothesis>=6")
+
+
 @nox.session(python="3.11")
 def tests(session: nox.Session) -> None:
     """Builds the three packages and runs every package's tests (pytest-xdist, -n auto)."""
-    _install(session, "numpy", "pytest>=8", "pytest-xdist>=3")
+    _install(session, "numpy", "pytest>=8", "pytest-xdist>=3", *TESTKIT_EXTRAS)
     _run_tests(session)
+
+
+@nox.session(python="3.11", default=False)
+def sweep(session: nox.Session) -> None:
+    """OpInfo sweep for ours and torch's built-in compiled autograd; writes sweep/*.json and a markdown comparison.
+
+    Extra arguments go to both sweeps (e.g. ``nox -s sweep -- --ops "a*" --samples 1``).
+    """
+    _install(session, "numpy", *TESTKIT_EXTRAS)
+    session.run("mkdir", "-p", "sweep", external=True)
+    for impl in ("ca", "torch"):
+        session.run(
+            "python", "-m", "ca_testkit", "sweep", "--backend", "aot_eager", "--impl", impl,
+            "--jobs", "2", "--json", f"sweep/{impl}.json", *session.posargs,
+        )
+    session.run("python", "-m", "ca_testkit", "report", "sweep/ca.json", "sweep/torch.json",
+                "--markdown", "sweep/comparison.md")
+
+
+@nox.session(python="3.11", default=False)
+def fuzz(session: nox.Session) -> None:
+    """The random-graph fuzzer, long budget: 5,000 graphs (``nox -s fuzz -- --examples N`` to change)."""
+    _install(session, "numpy", *TESTKIT_EXTRAS)
+    session.run("python", "-m", "ca_testkit", "fuzz", "--examples", "5000", *session.posargs)
 
 
 @nox.session(python="3.11")

@@ -20,6 +20,8 @@ import ca_runtime
 import torch
 import torch.utils._pytree as pytree
 
+from ca_testkit.implementations import get_implementation
+
 __all__ = ["Comparison", "TensorDiff", "compare"]
 
 Tensors = Union[torch.nn.Module, Mapping[str, torch.Tensor], Iterable[torch.Tensor]]
@@ -54,6 +56,7 @@ class Comparison:
     diffs: tuple[TensorDiff, ...]
     stats: Mapping[str, int]
     steps: int
+    impl: str = "ca"
 
     @property
     def ok(self) -> bool:
@@ -65,8 +68,8 @@ class Comparison:
 
     def report(self) -> str:
         head = (
-            f"{len(self.mismatches)} of {len(self.diffs)} tensors differ over {self.steps} "
-            f"step(s); stats: " + ", ".join(f"{k}={v}" for k, v in self.stats.items())
+            f"[{self.impl}] {len(self.mismatches)} of {len(self.diffs)} values differ over "
+            f"{self.steps} step(s); stats: " + ", ".join(f"{k}={v}" for k, v in self.stats.items())
         )
         return "\n".join([head, *(d.line() for d in self.diffs)])
 
@@ -141,8 +144,12 @@ def compare(
     steps: int = 1,
     rtol: float = 1e-5,
     atol: float = 1e-6,
+    impl: str = "ca",
 ) -> Comparison:
-    """Runs ``step`` eagerly and under ``ca_runtime.enable(compiler_fn)``; compares.
+    """Runs ``step`` eagerly and under compiled autograd ``impl``; compares.
+
+    ``impl`` is ``"ca"`` (``ca_runtime.enable(compiler_fn)``) or ``"torch"``
+    (torch's built-in compiled autograd); see ``ca_testkit.implementations``.
 
     ``step`` is called as ``step(i)`` (or ``step()``) for ``i in range(steps)``;
     whatever it returns is compared, and so is ``.grad`` of every tensor in
@@ -151,6 +158,7 @@ def compare(
     """
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be a positive int, got {steps!r}")
+    implementation = get_implementation(impl)
     run = _as_step(step)
     named = _named(tensors)
     initial = {name: _snapshot(t.grad) for name, t in named.items()}
@@ -163,10 +171,10 @@ def compare(
             t.copy_(initial_values[name])
             t.grad = None if initial[name] is None else initial[name].clone()
 
-    ca_runtime.reset()
-    with ca_runtime.enable(compiler_fn):
+    implementation.reset()
+    with implementation.enable(compiler_fn):
         compiled = _run(run, steps, named)
-    stats = ca_runtime.stats()
+    stats = implementation.stats()
 
     diffs = []
     for eager_record, compiled_record in zip(eager, compiled):
@@ -176,4 +184,4 @@ def compare(
                 diffs.append(TensorDiff(name, False, math.inf, math.inf, None, None, "missing in one run"))
                 continue
             diffs.append(_diff(name, eager_record[name], compiled_record[name], rtol, atol))
-    return Comparison(tuple(diffs), stats, steps)
+    return Comparison(tuple(diffs), stats, steps, impl)

@@ -1,0 +1,90 @@
+"""The compiled-autograd implementations a comparison can run: ours and torch's.
+
+Each is a row of ``IMPLEMENTATIONS``: how to enable it around a step, reset
+its caches and counters, and read its counters. ``"ca"`` is ``ca_runtime``;
+``"torch"`` is torch's built-in ``torch._dynamo.compiled_autograd``, so every
+comparison can be run for both side by side.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, ContextManager
+
+import torch
+
+__all__ = ["IMPLEMENTATIONS", "Implementation", "get_implementation"]
+
+CompilerFn = Callable[[torch.fx.GraphModule], Callable[..., Any]]
+
+
+def _as_compiler(compiler_fn: CompilerFn | str) -> CompilerFn:
+    if isinstance(compiler_fn, str):
+        backend = compiler_fn
+        return lambda gm: torch.compile(gm, backend=backend)
+    return compiler_fn
+
+
+@dataclass(frozen=True)
+class Implementation:
+    """One compiled autograd: context, reset and counters."""
+
+    name: str
+    enable: Callable[[CompilerFn | str], ContextManager[Any]]
+    reset: Callable[[], None]
+    stats: Callable[[], dict[str, int]]
+
+
+def _ca_enable(compiler_fn: CompilerFn | str) -> ContextManager[Any]:
+    import ca_runtime
+
+    return ca_runtime.enable(compiler_fn)
+
+
+def _ca_reset() -> None:
+    import ca_runtime
+
+    ca_runtime.reset()
+
+
+def _ca_stats() -> dict[str, int]:
+    import ca_runtime
+
+    return ca_runtime.stats()
+
+
+@contextlib.contextmanager
+def _torch_enable(compiler_fn: CompilerFn | str) -> Iterator[None]:
+    import ca_runtime
+
+    # Ours must not be installed underneath torch's.
+    with ca_runtime.disable(), torch._dynamo.compiled_autograd._enable(_as_compiler(compiler_fn)):
+        yield
+
+
+def _torch_reset() -> None:
+    torch._dynamo.compiled_autograd.reset()
+    torch._dynamo.utils.counters["compiled_autograd"].clear()
+
+
+def _torch_stats() -> dict[str, int]:
+    counters = torch._dynamo.utils.counters["compiled_autograd"]
+    return {"captures": int(counters["captures"])}
+
+
+IMPLEMENTATIONS: dict[str, Implementation] = {
+    "ca": Implementation("ca", _ca_enable, _ca_reset, _ca_stats),
+    "torch": Implementation("torch", _torch_enable, _torch_reset, _torch_stats),
+}
+
+
+def get_implementation(name: str) -> Implementation:
+    """The implementation called ``name``; ValueError naming the valid ones otherwise."""
+    if not isinstance(name, str):
+        raise TypeError(f"impl must be a str, got {type(name).__name__}")
+    try:
+        return IMPLEMENTATIONS[name]
+    except KeyError:
+        raise ValueError(f"impl: unknown implementation {name!r}; valid: {sorted(IMPLEMENTATIONS)}") from None

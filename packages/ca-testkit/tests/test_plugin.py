@@ -1,0 +1,74 @@
+"""The pytest plugin, exercised through pytester: a passing and a failing comparison."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest_plugins = ["pytester"]
+
+_PASSING = '''
+import torch
+
+def test_mlp(ca_compare):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    x = torch.randn(3, 4)
+    calls = []
+
+    def step():
+        calls.clear()
+        hidden = model[1](model[0](x))
+        hidden.register_hook(lambda g: calls.append("hook") or g)
+        model[2](hidden).sum().backward()
+        return list(calls)
+
+    results = ca_compare(step, tensors=model, steps=2, max_captures=2)
+    assert all(r.ok for r in results)
+'''
+
+_FAILING = '''
+import pytest
+import torch
+
+def doubling_compiler(gm):
+    # A deliberately wrong compiler: every grad the graph returns is doubled.
+    def run(*args):
+        return [None if g is None else g * 2 for g in gm(*args)]
+    return run
+
+@pytest.mark.ca_compare(backend=doubling_compiler, steps=1)
+def test_wrong(ca_compare):
+    w = torch.ones(3, requires_grad=True)
+    ca_compare(lambda: (w * 3).sum().backward(), tensors={"w": w})
+'''
+
+
+def test_passing_comparison(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(_PASSING)
+    result = pytester.runpytest_subprocess("--ca-backend", "eager")
+    result.assert_outcomes(passed=1)
+
+
+def test_failing_comparison_prints_a_readable_diff(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(_FAILING)
+    result = pytester.runpytest_subprocess()
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*compiled autograd differs from eager*",
+            "*[[]ca[]] 1 of 2 values differ over 1 step(s); stats: captures=1*",
+            "*MISMATCH step0.grad[[]w[]]*max_abs=3 max_rel=1 shape=3 dtype=float32*",
+        ]
+    )
+
+
+def test_both_implementations_side_by_side(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(_PASSING)
+    result = pytester.runpytest_subprocess("--ca-impl", "both", "--ca-backend", "eager")
+    result.assert_outcomes(passed=1)
+
+
+def test_unknown_impl_is_a_clear_error(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(_PASSING)
+    result = pytester.runpytest_subprocess("--ca-impl", "nope")
+    result.stdout.fnmatch_lines(["*ValueError: impl: unknown implementation 'nope'*"])
