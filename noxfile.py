@@ -70,3 +70,13 @@ def demo(session: nox.Session) -> None:
     """A few training steps of a small MLP under compiled autograd, compared with eager."""
     _install(session, "numpy")
     session.run("python", "examples/train_mlp.py", *session.posargs)
+
+
+@nox.session(python="3.11", default=False)
+def bench(session: nox.Session) -> None:
+    """Eager vs torch's built-in vs our compiled autograd, 1 thread; writes bench/results/{results.json,results.md,overhead.png}.
+
+    ``nox -s bench -- --quick`` uses aot_eager instead of inductor for the models.
+    """
+    _install(session, "numpy", "matplotlib")
+    session.run("python", "bench/run.py", *session.posargs)

@@ -39,6 +39,8 @@ class OpResult:
     result: str
     detail: str = ""
     samples: int = 0
+    #: Graphs captured over the op's samples (0 would mean nothing was compiled).
+    captures: int = 0
 
 
 def select_ops(pattern: str = "*") -> list[str]:
@@ -111,7 +113,11 @@ def _same(a: list[Any], b: list[Any]) -> bool:
     for x, y in zip(a, b):
         if (x is None) != (y is None):
             return False
-        if x is not None and not torch.allclose(x, y, rtol=1e-4, atol=1e-5, equal_nan=True):
+        if x is None:
+            continue
+        if x.layout != torch.strided or y.layout != torch.strided:
+            x, y = x.to_dense(), y.to_dense()
+        if x.shape != y.shape or not torch.allclose(x, y, rtol=1e-4, atol=1e-5, equal_nan=True):
             return False
     return True
 
@@ -130,7 +136,7 @@ def sweep_op(name: str, backend: str, impl: str, max_samples: int = 2) -> OpResu
         samples.append(sample)
         if len(samples) >= max_samples:
             break
-    worst, detail, compared = "skipped", "no sample with a differentiable output", 0
+    worst, detail, compared, captures = "skipped", "no sample with a differentiable output", 0, 0
     for sample in samples:
         try:
             eager = _grads_of(op, sample)
@@ -150,11 +156,14 @@ def sweep_op(name: str, backend: str, impl: str, max_samples: int = 2) -> OpResu
                 result, why = "error", f"{type(e).__name__}: {first}"[:200]
             else:
                 stats = implementation.stats()
+                captures += stats.get("captures", 0)
                 fallback = [w for w in caught if w.category.__name__ == "EagerFallbackWarning"]
                 if compiled is None or not _same(eager, compiled):
                     result, why = "mismatch", "grads differ from eager"
                 elif fallback:
                     result, why = "eager-fallback", str(fallback[0].message)[:200]
+                elif not stats.get("captures", 0):
+                    result, why = "eager-fallback", "nothing was captured"
                 elif stats.get("graph_breaks", 0):
                     result, why = "graph-break-pass", f"{stats['graph_breaks']} graph break(s)"
                 else:
@@ -162,11 +171,20 @@ def sweep_op(name: str, backend: str, impl: str, max_samples: int = 2) -> OpResu
         compared += 1
         if CLASSES.index(result) < CLASSES.index(worst):
             worst, detail = result, why
-    return OpResult(name, worst, detail, compared)
+    return OpResult(name, worst, detail, compared, captures)
+
+
+def _sweep_one(name: str, backend: str, impl: str, max_samples: int) -> OpResult:
+    """sweep_op, but a failure of the harness itself is reported, not raised."""
+    try:
+        return sweep_op(name, backend, impl, max_samples)
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [""])[0]
+        return OpResult(name, "error", f"harness: {type(e).__name__}: {first}"[:200])
 
 
 def _sweep_chunk(names: Sequence[str], backend: str, impl: str, max_samples: int) -> list[OpResult]:
-    return [sweep_op(n, backend, impl, max_samples) for n in names]
+    return [_sweep_one(n, backend, impl, max_samples) for n in names]
 
 
 def run_sweep(
@@ -189,7 +207,7 @@ def run_sweep(
 
     if jobs <= 1:
         for name in names:
-            report([sweep_op(name, backend, impl, max_samples)])
+            report([_sweep_one(name, backend, impl, max_samples)])
     else:
         import multiprocessing
 
@@ -215,7 +233,10 @@ def to_json(results: Sequence[OpResult], backend: str, impl: str) -> dict[str, A
         "impl": impl,
         "backend": backend,
         "counts": dict(Counter(r.result for r in results)),
-        "ops": {r.op: {"result": r.result, "detail": r.detail, "samples": r.samples} for r in results},
+        "ops": {
+            r.op: {"result": r.result, "detail": r.detail, "samples": r.samples, "captures": r.captures}
+            for r in results
+        },
     }
 
 

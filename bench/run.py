@@ -1,0 +1,280 @@
+"""Benchmarks: eager autograd vs torch's built-in compiled autograd vs ours.
+
+One process, 1 CPU thread. For each workload the three implementations run
+the same forward; only ``loss.backward()`` is timed. First the first backward
+of each implementation is timed after resetting every cache (Dynamo's too),
+then each is warmed up, then ``--iters`` rounds interleave the three so that
+drift hits all alike. Reports median and min, the ratios ours/eager and
+ours/torch, captures and Dynamo graphs; writes JSON, a markdown table and a
+PNG of per-node overhead against node count.
+
+    python bench/run.py [--iters 30] [--out bench/results] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import ca_runtime
+import torch
+from torch._dynamo import compiled_autograd as torch_ca
+from torch._dynamo.utils import counters
+
+IMPLS = ("eager", "torch", "ours")
+Compiler = Callable[[torch.fx.GraphModule], Callable[..., Any]]
+
+
+@dataclasses.dataclass
+class Workload:
+    """A forward that returns a loss, the compiler both compiled autograds use, its node count."""
+
+    name: str
+    forward: Callable[[int], torch.Tensor]
+    compiler: Compiler | None
+    nodes: int = 0
+    params: list[torch.Tensor] = dataclasses.field(default_factory=list)
+
+
+def backend(name: str) -> Compiler:
+    return lambda gm: torch.compile(gm, backend=name)
+
+
+def no_work(gm: torch.fx.GraphModule) -> Callable[..., Any]:
+    """A compiled function that computes nothing: isolates the engine's own cost."""
+    outputs = [None] * len(gm.graph.output_node().args[0])
+    return lambda *args: list(outputs)
+
+
+@contextlib.contextmanager
+def implementation(impl: str, compiler: Compiler | None) -> Iterator[None]:
+    if impl == "eager":
+        with ca_runtime.disable():
+            yield
+    elif impl == "ours":
+        with ca_runtime.enable(compiler):
+            yield
+    else:
+        with ca_runtime.disable(), torch_ca._enable(compiler):
+            yield
+
+
+def _graph_nodes(loss: torch.Tensor) -> int:
+    seen, stack = set(), [loss.grad_fn]
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        stack.extend(f for f, _ in fn.next_functions)
+    return len(seen)
+
+
+def mlp(batch: int = 64) -> Workload:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(512, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024), torch.nn.ReLU(),
+        torch.nn.Linear(1024, 10),
+    )
+    x, y = torch.randn(batch, 512), torch.randint(0, 10, (batch,))
+
+    def forward(i: int) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(model(x), y)
+
+    return Workload("mlp 512-1024-1024-10 b64", forward, None, params=list(model.parameters()))
+
+
+def transformer() -> Workload:
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(128, 4, 512, dropout=0.0, batch_first=True)
+    model = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+    x = torch.randn(8, 32, 128)
+
+    def forward(i: int) -> torch.Tensor:
+        return model(x).pow(2).mean()
+
+    return Workload("transformer 2x d128 h4 s32 b8", forward, None, params=list(model.parameters()))
+
+
+def chain(n: int) -> Workload:
+    x = torch.randn(16, requires_grad=True)
+    factors = [torch.full((16,), 1.0001) for _ in range(n)]
+
+    def forward(i: int) -> torch.Tensor:
+        y = x
+        for f in factors:
+            y = y * f
+        return y.sum()
+
+    return Workload(f"chain {n}", forward, None, params=[x])
+
+
+def time_backward(work: Workload, impl: str) -> float:
+    loss = work.forward(0)
+    for p in work.params:
+        p.grad = None
+    with implementation(impl, work.compiler):
+        start = time.perf_counter()
+        loss.backward()
+        return time.perf_counter() - start
+
+
+def reset_all() -> None:
+    torch._dynamo.reset()
+    ca_runtime.reset()
+    torch_ca.reset()
+    counters.clear()
+
+
+def measure(work: Workload, iters: int, warmup: int = 3) -> dict[str, Any]:
+    work.nodes = _graph_nodes(work.forward(0))
+    row: dict[str, Any] = {"workload": work.name, "nodes": work.nodes, "first_s": {}, "captures": {}}
+    for impl in IMPLS:
+        reset_all()
+        row["first_s"][impl] = time_backward(work, impl)
+        for _ in range(warmup):
+            time_backward(work, impl)
+        if impl == "ours":
+            row["captures"]["ours"] = ca_runtime.stats()["captures"]
+        if impl == "torch":
+            row["captures"]["torch"] = int(counters["compiled_autograd"]["captures"])
+    # Dynamo was reset per implementation: warm everything again, then interleave.
+    for impl in IMPLS:
+        for _ in range(warmup):
+            time_backward(work, impl)
+    times: dict[str, list[float]] = {impl: [] for impl in IMPLS}
+    for _ in range(iters):
+        for impl in IMPLS:
+            times[impl].append(time_backward(work, impl))
+    row["median_s"] = {impl: statistics.median(t) for impl, t in times.items()}
+    row["min_s"] = {impl: min(t) for impl, t in times.items()}
+    med = row["median_s"]
+    row["ours_over_eager"] = med["ours"] / med["eager"]
+    row["ours_over_torch"] = med["ours"] / med["torch"]
+    return row
+
+
+def batch_sweep(compiler: Compiler, sizes: tuple[int, ...] = (4, 8, 16, 32, 8, 64)) -> dict[str, Any]:
+    out: dict[str, Any] = {"workload": "batch sweep " + ",".join(map(str, sizes))}
+    for impl in ("torch", "ours"):
+        reset_all()
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+        for b in sizes:
+            loss = torch.nn.functional.cross_entropy(model(torch.randn(b, 32)), torch.randint(0, 10, (b,)))
+            with implementation(impl, compiler):
+                loss.backward()
+        captures = ca_runtime.stats()["captures"] if impl == "ours" else int(counters["compiled_autograd"]["captures"])
+        out[impl] = {"captures": captures, "dynamo_graphs": int(counters["stats"]["unique_graphs"])}
+    return out
+
+
+def markdown(rows: list[dict[str, Any]], sweep: dict[str, Any], per_node: dict[str, Any]) -> str:
+    lines = [
+        "| workload | backend | nodes | eager ms | torch ms | ours ms | ours/eager | ours/torch | first backward torch / ours s | captures torch / ours |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        m = r["median_s"]
+        lines.append(
+            f"| {r['workload']} | {r['backend']} | {r['nodes']} | {m['eager'] * 1e3:.3f} | {m['torch'] * 1e3:.3f} | "
+            f"{m['ours'] * 1e3:.3f} | {r['ours_over_eager']:.2f} | {r['ours_over_torch']:.2f} | "
+            f"{r['first_s']['torch']:.2f} / {r['first_s']['ours']:.2f} | "
+            f"{r['captures'].get('torch', '-')} / {r['captures'].get('ours', '-')} |"
+        )
+    lines += [
+        "",
+        f"Batch sweep {sweep['workload']}: torch {sweep['torch']['captures']} captures / "
+        f"{sweep['torch']['dynamo_graphs']} Dynamo graphs; ours {sweep['ours']['captures']} captures / "
+        f"{sweep['ours']['dynamo_graphs']} Dynamo graphs.",
+        "",
+        "Per-node cost from the chain workloads (slope between N=10 and N=1000, median times):",
+        "",
+        "| compiler | eager µs/node | torch µs/node | ours µs/node | torch overhead µs/node | ours overhead µs/node |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, v in per_node.items():
+        lines.append(
+            f"| {name} | {v['eager']:.2f} | {v['torch']:.2f} | {v['ours']:.2f} | "
+            f"{v['torch'] - v['eager']:.2f} | {v['ours'] - v['eager']:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for compiler in ("eager", "no-work"):
+        chain_rows = [r for r in rows if r["workload"].startswith("chain") and r["backend"] == compiler]
+        n = [r["nodes"] for r in chain_rows]
+        for impl, style in (("torch", "--"), ("ours", "-")):
+            overhead = [(r["median_s"][impl] - r["median_s"]["eager"]) / r["nodes"] * 1e6 for r in chain_rows]
+            ax.plot(n, overhead, style, marker="o", label=f"{impl} ({compiler})")
+    ax.set_xscale("log")
+    ax.set_xlabel("autograd nodes")
+    ax.set_ylabel("overhead over eager, µs per node")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--quick", action="store_true", help="aot_eager instead of inductor for the models")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    model_backend = "aot_eager" if args.quick else "inductor"
+    rows = []
+    for make in (mlp, transformer):
+        work = make()
+        work.compiler = backend(model_backend)
+        rows.append({**measure(work, args.iters), "backend": model_backend})
+        print(rows[-1]["workload"], model_backend, {k: f"{v * 1e3:.2f}ms" for k, v in rows[-1]["median_s"].items()}, flush=True)
+    work = transformer()
+    work.compiler = backend("aot_eager")
+    rows.append({**measure(work, 5, warmup=1), "backend": "aot_eager"})
+    for n in (10, 100, 1000):
+        for name, compiler in (("eager", backend("eager")), ("no-work", no_work)):
+            work = chain(n)
+            work.compiler = compiler
+            rows.append({**measure(work, args.iters), "backend": name})
+            print(rows[-1]["workload"], name, {k: f"{v * 1e6:.0f}us" for k, v in rows[-1]["median_s"].items()}, flush=True)
+    per_node = {}
+    for name in ("eager", "no-work"):
+        small = next(r for r in rows if r["workload"] == "chain 10" and r["backend"] == name)
+        large = next(r for r in rows if r["workload"] == "chain 1000" and r["backend"] == name)
+        per_node[name] = {
+            impl: (large["median_s"][impl] - small["median_s"][impl]) / (large["nodes"] - small["nodes"]) * 1e6
+            for impl in IMPLS
+        }
+    sweep = batch_sweep(backend("aot_eager"))
+    (out / "results.json").write_text(json.dumps({"rows": rows, "batch_sweep": sweep, "per_node_us": per_node}, indent=1))
+    table = markdown(rows, sweep, per_node)
+    (out / "results.md").write_text(table)
+    plotted = plot(rows, out / "overhead.png")
+    print(table)
+    if not plotted:
+        print("(matplotlib not installed: no PNG)")
+
+
+if __name__ == "__main__":
+    main()
