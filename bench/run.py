@@ -168,6 +168,7 @@ def batch_sweep(compiler: Compiler, sizes: tuple[int, ...] = (4, 8, 16, 32, 8, 6
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
         for b in sizes:
+            model.zero_grad(set_to_none=True)  # a training step: optimizer.zero_grad()
             loss = torch.nn.functional.cross_entropy(model(torch.randn(b, 32)), torch.randint(0, 10, (b,)))
             with implementation(impl, compiler):
                 loss.backward()

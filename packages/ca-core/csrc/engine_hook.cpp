@@ -355,8 +355,11 @@ variable_list compiled_backward_with_gil(
   nb::object compiled;
   std::vector<uint32_t> leaf_outputs;
   bool first_run = false;
-  // capture() may probe nodes and the graph runs them: both need the state.
+  // capture() may probe nodes and the graph runs them: both need the state,
+  // and the compiler interface installed once for the whole run rather than
+  // per node (see [Note: One compiler interface for all threads]).
   ActiveBackwardGuard active(state.get());
+  InterfaceScope interface;
   if (hit) {
     ++g_counters.cache_hits;
     ++entry->hits;
