@@ -251,50 +251,6 @@ std::function<std::string(const std::string&)> error_prefix(const Node& node) {
   };
 }
 
-/*
-[Note: Eager fast path]
-When apply_with_saved is called with exactly the node's own saved values --
-the very tensors the walk lifted (same TensorImpl), the same scalars, no
-replacement sizes -- swapping them in would change nothing, so the node runs
-as the eager engine runs it, (*node)(grads), without SwapSavedVariables or
-the functional registry. That is what happens at run time whenever the graph
-is executed as Python (compiler_fn returning the graph, Dynamo's eager
-backend, the eager side of a graph break). While Dynamo or AOTAutograd trace
-the graph the values are FakeTensors or SymInts, never the node's own, so
-tracing always takes the apply_with_saved path.
-*/
-bool holds_own_values(
-    const AutogradCompilerCall& collected,
-    const variable_list& tensors,
-    nb::handle scalars) {
-  const auto& lifted = collected.tensor_args.inputs;
-  for (size_t i = 0; i < lifted.size(); ++i) {
-    if (tensors[i].unsafeGetTensorImpl() != lifted[i].unsafeGetTensorImpl()) {
-      return false;
-    }
-  }
-  const auto& args = collected.lifted_ivalue_args.args;
-  for (size_t i = 0; i < args.size(); ++i) {
-    PyObject* value = PyList_Check(scalars.ptr())
-        ? PyList_GET_ITEM(scalars.ptr(), i)
-        : nb::borrow<nb::sequence>(scalars)[i].ptr();
-    const at::IValue& own = *args[i].actual_ptr;
-    if (own.isInt() && PyLong_CheckExact(value)) {
-      int overflow = 0;
-      if (PyLong_AsLongLongAndOverflow(value, &overflow) != own.toInt() || overflow) {
-        return false;
-      }
-    } else if (own.isDouble() && PyFloat_CheckExact(value)) {
-      if (PyFloat_AS_DOUBLE(value) != own.toDouble()) {
-        return false;
-      }
-    } else {
-      return false;
-    }
-  }
-  return true;
-}
-
 variable_list apply_with_saved(
     uint32_t node_idx,
     nb::handle inputs,
@@ -323,11 +279,6 @@ variable_list apply_with_saved(
          std::to_string(nb::len(scalars)) + " values, node has " +
          std::to_string(scalar_args.size()))
             .c_str());
-  }
-
-  if (saved_sizes.is_none() && holds_own_values(collected, tensors, scalars)) {
-    // See [Note: Eager fast path].
-    return (*ns.call.node)(std::move(grads));
   }
 
   // [Note: Per-node collection]: the node's own TensorArgs map each of its
