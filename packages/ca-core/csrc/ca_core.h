@@ -16,6 +16,7 @@
 #include <typeindex>
 #include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 // Exported by libtorch_python; declared here instead of including
@@ -205,6 +206,22 @@ BackwardState*& active_backward();
 /// The node whose apply_with_saved is running on this thread (or null); the
 /// compiler interface's call_unpack reads its saved-tensor hooks.
 NodeState*& applying_node();
+
+/// Sets a thread-local slot (active_backward(), applying_node()) for a
+/// scope and puts the prior value back, so nested scopes unwind correctly.
+template <typename T>
+struct ScopedSlot {
+  ScopedSlot(T*& slot, T* value) : slot_(slot), prior_(std::exchange(slot, value)) {}
+  ~ScopedSlot() {
+    slot_ = prior_;
+  }
+  ScopedSlot(const ScopedSlot&) = delete;
+  ScopedSlot& operator=(const ScopedSlot&) = delete;
+
+ private:
+  T*& slot_;
+  T* prior_;
+};
 
 /// The ca_runtime object while the engine hook is installed (borrowed), else null.
 PyObject* installed_runtime();

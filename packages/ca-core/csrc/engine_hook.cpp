@@ -76,20 +76,6 @@ struct GilRelease {
   PyThreadState* save_;
 };
 
-/// Sets active_backward() for the scope of one compiled run.
-struct ActiveBackwardGuard {
-  explicit ActiveBackwardGuard(BackwardState* state)
-      : prior_(std::exchange(active_backward(), state)) {}
-  ~ActiveBackwardGuard() {
-    active_backward() = prior_;
-  }
-  ActiveBackwardGuard(const ActiveBackwardGuard&) = delete;
-  ActiveBackwardGuard& operator=(const ActiveBackwardGuard&) = delete;
-
- private:
-  BackwardState* prior_;
-};
-
 /// Depth of our hook on this thread; > 0 means a backward inside a backward.
 thread_local int t_hook_depth = 0;
 struct DepthGuard {
@@ -358,7 +344,7 @@ variable_list compiled_backward_with_gil(
   // capture() may probe nodes and the graph runs them: both need the state,
   // and the compiler interface installed once for the whole run rather than
   // per node (see [Note: One compiler interface for all threads]).
-  ActiveBackwardGuard active(state.get());
+  ScopedSlot<BackwardState> active(active_backward(), state.get());
   InterfaceScope interface;
   if (hit) {
     ++g_counters.cache_hits;

@@ -147,20 +147,6 @@ struct BackwardGraph {
   std::string miss_reason;
 };
 
-/// Sets applying_node() for the scope of one apply_with_saved.
-struct ApplyingNodeGuard {
-  explicit ApplyingNodeGuard(NodeState* ns)
-      : prior_(std::exchange(applying_node(), ns)) {}
-  ~ApplyingNodeGuard() {
-    applying_node() = prior_;
-  }
-  ApplyingNodeGuard(const ApplyingNodeGuard&) = delete;
-  ApplyingNodeGuard& operator=(const ApplyingNodeGuard&) = delete;
-
- private:
-  NodeState* prior_;
-};
-
 BackwardState& require_active(uint32_t node_idx, const char* fn) {
   BackwardState* state = active_backward();
   if (state == nullptr) {
@@ -296,7 +282,7 @@ variable_list apply_with_saved(
 
   variable_list outputs;
   {
-    ApplyingNodeGuard applying(&ns);
+    ScopedSlot<NodeState> applying(applying_node(), &ns);
     InterfaceScope interface;
     SwapSavedVariables swap(collected, trace, installed_runtime(), ns.call);
     outputs = ns.call.node->apply_with_saved(grads, swap);
@@ -360,7 +346,7 @@ bool probe_traceable(uint32_t node_idx) {
       std::vector<std::optional<c10::SymInt>>(ns.num_apply_sizes), 0);
   TraceabilityProbe probe;
   {
-    ApplyingNodeGuard applying(&ns);
+    ScopedSlot<NodeState> applying(applying_node(), &ns);
     InterfaceScope interface;
     SwapSavedVariables swap(collected, trace, installed_runtime(), ns.call);
     ns.call.node->apply_with_saved(
