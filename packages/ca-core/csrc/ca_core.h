@@ -104,12 +104,13 @@ struct NodeSummary {
   int grad_defined = -1;
 };
 
-/// Everything the walk of one backward produced; alive for that backward.
+/// Everything the walk of one backward produced; alive for that backward,
+/// then recycled; see [Note: Recycled walk state].
 struct BackwardState {
+  /// Back to the state of a fresh BackwardState, keeping the buffers' capacity.
+  void reset();
   /// Visited nodes in eager's execution order.
   std::vector<NodeState> nodes;
-  /// Walk index of each visited node.
-  std::unordered_map<Node*, uint32_t> walk_index;
   /// The graph's tensor inputs: every traced node's lifted tensors, each
   /// distinct tensor once, in first-use order.
   std::vector<at::Tensor> lifted_tensors;
@@ -189,10 +190,17 @@ struct WalkError : std::runtime_error {
   bool remembered;
 };
 
+/// Deleter of a BackwardState: resets it and keeps it for the thread's next
+/// backward (or frees it); see [Note: Recycled walk state]. Needs the GIL.
+struct RecycleBackwardState {
+  void operator()(BackwardState* state) const;
+};
+using BackwardStatePtr = std::unique_ptr<BackwardState, RecycleBackwardState>;
+
 /// Walks the graph of `graph_task` from `root` in eager's order, computing
 /// every node's key and lifted values. Throws WalkError when a node's
 /// compiled_args throws.
-std::unique_ptr<BackwardState> walk_graph(
+BackwardStatePtr walk_graph(
     const c10::intrusive_ptr<Node>& root,
     const torch::autograd::GraphTask& graph_task,
     const torch::autograd::edge_list& output_edges);

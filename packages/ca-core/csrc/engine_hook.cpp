@@ -123,8 +123,12 @@ struct GraphArgs {
 
 GraphArgs lift_args(const BackwardState& state) {
   GraphArgs args;
-  for (const auto& t : state.lifted_tensors) {
-    args.tensors.append(nb::steal(wrap_tensor(t)));
+  // Sized once: growing a list of thousands of tensors reallocates it.
+  const size_t num_tensors = state.lifted_tensors.size();
+  args.tensors = nb::steal<nb::list>(check_py(PyList_New(static_cast<Py_ssize_t>(num_tensors))));
+  for (size_t i = 0; i < num_tensors; ++i) {
+    PyList_SET_ITEM(
+        args.tensors.ptr(), static_cast<Py_ssize_t>(i), check_py(wrap_tensor(state.lifted_tensors[i])));
   }
   for (const auto& ns : state.nodes) {
     if (!ns.collected) {
@@ -312,7 +316,7 @@ variable_list compiled_backward_with_gil(
   }
   DepthGuard depth;
 
-  std::unique_ptr<BackwardState> state;
+  BackwardStatePtr state;
   try {
     state = walk_graph(root, graph_task, output_edges);
   } catch (const WalkError& e) {

@@ -7,7 +7,7 @@
 
 #include <cxxabi.h>
 
-#include <queue>
+#include <algorithm>
 #include <string_view>
 #include <typeinfo>
 
@@ -118,9 +118,133 @@ void ShadowNode::clear() {
   walk_failures.clear();
 }
 
+/*
+[Note: Recycled walk state]
+The walk runs on every backward, so what it allocates per node is the hit
+path's cost. Two things keep that down:
+  - a BackwardState is not freed after its backward but reset and kept for
+    the thread's next one (RecycleBackwardState): its vectors keep their
+    capacity, and no large block is freed per backward (freeing one makes
+    glibc consolidate every small free chunk, which then slows all the
+    small allocations of the next walk);
+  - the walk's own bookkeeping (node ids, dependencies left, tensor slots)
+    lives in open-addressing PointerMaps kept per thread, which allocate
+    nothing per entry.
+The per-node AutogradCompilerCall and CompiledNodeArgs are torch's and are
+still made per node.
+*/
+
+void BackwardState::reset() {
+  nodes.clear();
+  lifted_tensors.clear();
+  num_outputs = 0;
+  entry = nullptr;
+  keep_graph = false;
+  accumulate_grad = true;
+  create_graph = false;
+  dynamic_sizes.clear();
+  dynamic_dims.clear();
+  miss_node = -1;
+  miss_reason.clear();
+}
+
 namespace {
 
 std::atomic<uint64_t> g_generation{0};
+
+/// Reset BackwardStates kept for this thread's next backwards.
+thread_local std::vector<std::unique_ptr<BackwardState>> t_spare_states;
+
+BackwardStatePtr new_backward_state() {
+  if (t_spare_states.empty()) {
+    return BackwardStatePtr(new BackwardState());
+  }
+  BackwardStatePtr state(t_spare_states.back().release());
+  t_spare_states.pop_back();
+  return state;
+}
+
+/// Map from a pointer to a small value, with linear probing; clear() keeps
+/// the storage. See [Note: Recycled walk state].
+template <typename V>
+class PointerMap {
+ public:
+  /// Empties the map, sized for about `expected` entries.
+  void clear(size_t expected) {
+    size_t capacity = 16;
+    while (capacity < expected * 2) {
+      capacity <<= 1;
+    }
+    if (slots_.size() < capacity) {
+      slots_.assign(capacity, Slot{});
+    } else {
+      std::fill(slots_.begin(), slots_.end(), Slot{});
+    }
+    size_ = 0;
+  }
+  /// The value for `key` (value-initialised when new) and whether it is new.
+  std::pair<V*, bool> try_emplace(const void* key) {
+    if ((size_ + 1) * 2 > slots_.size()) {
+      grow();
+    }
+    const size_t mask = slots_.size() - 1;
+    size_t i = hash(key) & mask;
+    while (slots_[i].key != nullptr && slots_[i].key != key) {
+      i = (i + 1) & mask;
+    }
+    if (slots_[i].key == key) {
+      return {&slots_[i].value, false};
+    }
+    slots_[i].key = key;
+    slots_[i].value = V{};
+    ++size_;
+    return {&slots_[i].value, true};
+  }
+
+ private:
+  struct Slot {
+    const void* key = nullptr;
+    V value{};
+  };
+  static size_t hash(const void* p) {
+    auto x = reinterpret_cast<uint64_t>(p);
+    x ^= x >> 33;
+    x *= 0xff51afd7ed558ccdULL;
+    x ^= x >> 33;
+    return static_cast<size_t>(x);
+  }
+  void grow() {
+    std::vector<Slot> old(std::max<size_t>(slots_.size() * 2, 16));
+    old.swap(slots_);
+    size_ = 0;
+    for (const Slot& slot : old) {
+      if (slot.key != nullptr) {
+        *try_emplace(slot.key).first = slot.value;
+      }
+    }
+  }
+  std::vector<Slot> slots_;
+  size_t size_ = 0;
+};
+
+/// What the walk tracks per node it has seen.
+struct NodeMark {
+  static constexpr uint32_t kNoId = UINT32_MAX;
+  /// Graph-wide id (discovery order), kNoId until one is given.
+  uint32_t id = kNoId;
+  /// Dependencies not yet visited; valid when `counted`.
+  int remaining = 0;
+  bool counted = false;
+};
+
+/// The walk's per-thread scratch maps; see [Note: Recycled walk state].
+struct WalkScratch {
+  PointerMap<NodeMark> nodes;
+  PointerMap<uint32_t> slots;
+  std::vector<Node*> ready;
+  bool in_use = false;
+};
+thread_local WalkScratch t_scratch;
 
 /// Orders ready nodes as eager's ReadyQueue does: highest sequence_nr first
 /// (AccumulateGrad has the largest).
@@ -309,11 +433,20 @@ std::string node_type_name(const Node& node) {
                                   : std::string(mangled);
 }
 
-std::unique_ptr<BackwardState> walk_graph(
+void RecycleBackwardState::operator()(BackwardState* state) const {
+  state->reset();
+  if (t_spare_states.size() < 2) {
+    t_spare_states.emplace_back(state);
+  } else {
+    delete state;
+  }
+}
+
+BackwardStatePtr walk_graph(
     const c10::intrusive_ptr<Node>& root,
     const GraphTask& graph_task,
     const torch::autograd::edge_list& output_edges) {
-  auto state = std::make_unique<BackwardState>();
+  BackwardStatePtr state = new_backward_state();
   state->num_outputs = output_edges.size();
   state->keep_graph = graph_task.keep_graph_;
 
@@ -322,31 +455,49 @@ std::unique_ptr<BackwardState> walk_graph(
   const size_t expected_nodes =
       check_exec_info ? exec_info.size() : graph_task.dependencies_.size() + 1;
   state->nodes.reserve(expected_nodes);
-  state->walk_index.reserve(expected_nodes);
 
-  // Graph-wide ids in discovery order; see [Note: Cache key].
-  std::unordered_map<Node*, uint32_t> ids;
-  ids.reserve(expected_nodes);
+  // The walk does not run Python or nest, but a private scratch keeps it
+  // correct if it ever did.
+  WalkScratch private_scratch;
+  WalkScratch& scratch = t_scratch.in_use ? private_scratch : t_scratch;
+  scratch.in_use = true;
+  struct Release {
+    WalkScratch& s;
+    ~Release() {
+      s.in_use = false;
+    }
+  } release{scratch};
+  // Graph-wide ids in discovery order (see [Note: Cache key]) and the
+  // dependencies left per node: the GraphTask is const and stays untouched so
+  // that an eager fallback can still run it.
+  scratch.nodes.clear(expected_nodes);
+  uint32_t next_id = 0;
   auto id_of = [&](Node* fn) {
-    return ids.try_emplace(fn, static_cast<uint32_t>(ids.size())).first->second;
+    NodeMark& mark = *scratch.nodes.try_emplace(fn).first;
+    if (mark.id == NodeMark::kNoId) {
+      mark.id = next_id++;
+    }
+    return mark.id;
   };
   // Graph-input slot of each distinct lifted tensor; see [Note: Lifted tensor de-duplication].
-  std::unordered_map<const c10::TensorImpl*, uint32_t> slots;
-  // Dependencies left per node; the GraphTask is const and stays untouched so
-  // that an eager fallback can still run it.
-  std::unordered_map<Node*, int> remaining;
-  remaining.reserve(expected_nodes);
+  scratch.slots.clear(expected_nodes);
 
-  std::priority_queue<Node*, std::vector<Node*>, LaterSequenceFirst> ready;
-  ready.push(root.get());
+  // Ready nodes as a heap in the scratch's reused buffer.
+  std::vector<Node*>& ready = scratch.ready;
+  ready.clear();
+  auto push_ready = [&](Node* fn) {
+    ready.push_back(fn);
+    std::push_heap(ready.begin(), ready.end(), LaterSequenceFirst{});
+  };
+  push_ready(root.get());
   id_of(root.get());
 
   ShadowNode* cache = &cache_root();
   while (!ready.empty()) {
-    Node* fn = ready.top();
-    ready.pop();
+    std::pop_heap(ready.begin(), ready.end(), LaterSequenceFirst{});
+    Node* fn = ready.back();
+    ready.pop_back();
     const auto walk_idx = static_cast<uint32_t>(state->nodes.size());
-    state->walk_index.emplace(fn, walk_idx);
     NodeState& ns = state->nodes.emplace_back(
         id_of(fn), c10::intrusive_ptr<Node>::reclaim_copy(fn));
     NodeCall& call = ns.call;
@@ -381,14 +532,13 @@ std::unique_ptr<BackwardState> walk_graph(
           const auto& tensors = ns.collected->tensor_args.inputs;
           ns.tensor_slots.reserve(tensors.size());
           for (const auto& t : tensors) {
-            auto [it, inserted] = slots.try_emplace(
-                t.unsafeGetTensorImpl(),
-                static_cast<uint32_t>(state->lifted_tensors.size()));
+            auto [slot, inserted] = scratch.slots.try_emplace(t.unsafeGetTensorImpl());
             if (inserted) {
+              *slot = static_cast<uint32_t>(state->lifted_tensors.size());
               state->lifted_tensors.push_back(t);
             }
-            ns.tensor_slots.push_back(it->second);
-            args.collect_size(it->second);
+            ns.tensor_slots.push_back(*slot);
+            args.collect_size(*slot);
           }
         }
         for (const auto& edge : fn->next_edges()) {
@@ -432,14 +582,15 @@ std::unique_ptr<BackwardState> walk_graph(
           continue;
         }
       }
-      auto [it, inserted] = remaining.try_emplace(next, 0);
-      if (inserted) {
+      NodeMark& mark = *scratch.nodes.try_emplace(next).first;
+      if (!mark.counted) {
         auto dep = graph_task.dependencies_.find(next);
         TORCH_INTERNAL_ASSERT(dep != graph_task.dependencies_.end());
-        it->second = dep->second;
+        mark.remaining = dep->second;
+        mark.counted = true;
       }
-      if (--it->second == 0) {
-        ready.push(next);
+      if (--mark.remaining == 0) {
+        push_ready(next);
       }
     }
   }

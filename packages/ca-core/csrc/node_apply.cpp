@@ -237,6 +237,82 @@ std::function<std::string(const std::string&)> error_prefix(const Node& node) {
   };
 }
 
+/*
+[Note: Proxy values]
+A node's saved values are replaced, for one apply_with_saved, through its own
+AutogradCompilerCall: the TensorArgs slot of each lifted tensor and each
+lifted scalar gets a proxy, SwapSavedVariables swaps them in and back out.
+ProxyValues sets the proxies for a scope and clears them when it ends, also
+when the node throws, so a node never keeps a reference to a graph value.
+*/
+struct ProxyValues {
+  ProxyValues(AutogradCompilerCall& collected, const variable_list& tensors, nb::handle scalars)
+      : collected_(collected) {
+    const auto& lifted = collected.tensor_args.inputs;
+    auto& scalar_args = collected.lifted_ivalue_args.args;
+    for (size_t i = 0; i < lifted.size(); ++i) {
+      collected.tensor_args.lookup(lifted[i]).proxy_tensor = tensors[i];
+    }
+    for (size_t i = 0; i < scalar_args.size(); ++i) {
+      scalar_args[i].proxy = scalars.is_valid()
+          ? scalar_ivalue(nb::borrow<nb::sequence>(scalars)[i])
+          : *scalar_args[i].actual_ptr;
+    }
+    collected.lifted_ivalue_args.next = 0;
+  }
+  ~ProxyValues() {
+    for (const auto& t : collected_.tensor_args.inputs) {
+      collected_.tensor_args.lookup(t).proxy_tensor = at::Tensor();
+    }
+    for (auto& arg : collected_.lifted_ivalue_args.args) {
+      arg.proxy = at::IValue::uninitialized();
+    }
+  }
+  ProxyValues(const ProxyValues&) = delete;
+  ProxyValues& operator=(const ProxyValues&) = delete;
+
+ private:
+  AutogradCompilerCall& collected_;
+};
+
+/// Runs `ns`'s node on `grads` with its saved tensors replaced by `tensors`,
+/// its lifted scalars by `scalars` (an invalid handle keeps its own) and its
+/// compiled_args sizes by `sizes`; see [Note: Proxy values].
+variable_list run_with_values(
+    NodeState& ns,
+    variable_list grads,
+    const variable_list& tensors,
+    nb::handle scalars,
+    std::vector<std::optional<c10::SymInt>> sizes) {
+  AutogradCompilerCall& collected = *ns.collected;
+  ProxyValues proxies(collected, tensors, scalars);
+  TraceState trace(std::move(sizes), 0);
+  ScopedSlot<NodeState> applying(applying_node(), &ns);
+  InterfaceScope interface;
+  SwapSavedVariables swap(collected, trace, installed_runtime(), ns.call);
+  return ns.call.node->apply_with_saved(grads, swap);
+}
+
+/// Checks the values of apply_with_saved's argument lists against the node.
+void check_saved_values(const NodeState& ns, const variable_list& tensors, nb::handle saved_scalars) {
+  const size_t expected_tensors = ns.collected->tensor_args.inputs.size();
+  if (tensors.size() != expected_tensors) {
+    throw nb::value_error(
+        ("apply_with_saved: saved_tensors has " + std::to_string(tensors.size()) +
+         " tensors, " + ns.call.node->name() + " saved " +
+         std::to_string(expected_tensors))
+            .c_str());
+  }
+  const size_t expected_scalars = ns.collected->lifted_ivalue_args.args.size();
+  const size_t num_scalars = nb::len(nb::borrow<nb::sequence>(saved_scalars));
+  if (num_scalars != expected_scalars) {
+    throw nb::value_error(
+        ("apply_with_saved: saved_scalars has " + std::to_string(num_scalars) +
+         " values, node has " + std::to_string(expected_scalars))
+            .c_str());
+  }
+}
+
 variable_list apply_with_saved(
     uint32_t node_idx,
     nb::handle inputs,
@@ -245,64 +321,19 @@ variable_list apply_with_saved(
     nb::handle saved_scalars) {
   BackwardState& state = require_active(node_idx, "apply_with_saved");
   NodeState& ns = state.nodes[node_idx];
-  AutogradCompilerCall& collected = *ns.collected;
-
-  variable_list grads = unpack_list(inputs, "inputs");
   variable_list tensors = unpack_list(saved_tensors, "saved_tensors");
-  const auto& lifted = collected.tensor_args.inputs;
-  if (tensors.size() != lifted.size()) {
-    throw nb::value_error(
-        ("apply_with_saved: saved_tensors has " + std::to_string(tensors.size()) +
-         " tensors, " + ns.call.node->name() + " saved " +
-         std::to_string(lifted.size()))
-            .c_str());
-  }
-  auto& scalar_args = collected.lifted_ivalue_args.args;
-  nb::sequence scalars = nb::borrow<nb::sequence>(saved_scalars);
-  if (nb::len(scalars) != scalar_args.size()) {
-    throw nb::value_error(
-        ("apply_with_saved: saved_scalars has " +
-         std::to_string(nb::len(scalars)) + " values, node has " +
-         std::to_string(scalar_args.size()))
-            .c_str());
-  }
-
-  // [Note: Per-node collection]: the node's own TensorArgs map each of its
-  // SavedVariables and tensors to a slot; we point the slots at the values
-  // given, let SwapSavedVariables put them in, and clear them afterwards.
-  for (size_t i = 0; i < lifted.size(); ++i) {
-    collected.tensor_args.lookup(lifted[i]).proxy_tensor = tensors[i];
-  }
-  for (size_t i = 0; i < scalar_args.size(); ++i) {
-    scalar_args[i].proxy = scalar_ivalue(scalars[i]);
-  }
-  collected.lifted_ivalue_args.next = 0;
-  TraceState trace(
-      unpack_sizes(saved_sizes, ns.num_apply_sizes, "apply_with_saved"), 0);
-
-  variable_list outputs;
-  {
-    ScopedSlot<NodeState> applying(applying_node(), &ns);
-    InterfaceScope interface;
-    SwapSavedVariables swap(collected, trace, installed_runtime(), ns.call);
-    outputs = ns.call.node->apply_with_saved(grads, swap);
-  }
-  for (const auto& t : lifted) {
-    collected.tensor_args.lookup(t).proxy_tensor = at::Tensor();
-  }
-  for (auto& arg : scalar_args) {
-    arg.proxy = at::IValue::uninitialized();
-  }
-  return outputs;
+  check_saved_values(ns, tensors, saved_scalars);
+  return run_with_values(
+      ns,
+      unpack_list(inputs, "inputs"),
+      tensors,
+      saved_scalars,
+      unpack_sizes(saved_sizes, ns.num_apply_sizes, "apply_with_saved"));
 }
 
-variable_list validate_outputs(
-    uint32_t node_idx,
-    nb::handle outputs,
-    nb::handle saved_sizes) {
-  BackwardState& state = require_active(node_idx, "validate_outputs");
-  NodeState& ns = state.nodes[node_idx];
-  variable_list grads = unpack_list(outputs, "outputs");
+/// validate_outputs on `grads` with the next edges' sizes replaced by
+/// `saved_sizes` (None keeps them).
+variable_list validate_node_outputs(NodeState& ns, variable_list grads, nb::handle saved_sizes) {
   auto& edges = ns.call.node->next_edges();
   if (saved_sizes.is_none()) {
     torch::autograd::validate_outputs(edges, grads, error_prefix(*ns.call.node));
@@ -324,40 +355,52 @@ variable_list validate_outputs(
   return grads;
 }
 
+variable_list validate_outputs(
+    uint32_t node_idx,
+    nb::handle outputs,
+    nb::handle saved_sizes) {
+  BackwardState& state = require_active(node_idx, "validate_outputs");
+  return validate_node_outputs(
+      state.nodes[node_idx], unpack_list(outputs, "outputs"), saved_sizes);
+}
+
+/*
+[Note: One call per node]
+A traced node is apply_with_saved followed by validate_outputs with nothing
+in between (grad_fn post-hooks come after both), so the graph makes it one
+call, apply_node: on the hit path each node costs one Python call and one
+conversion of its grads instead of two.
+*/
+variable_list apply_node(
+    uint32_t node_idx,
+    nb::handle inputs,
+    nb::handle saved_tensors,
+    nb::handle apply_sizes,
+    nb::handle saved_scalars,
+    nb::handle validate_sizes) {
+  variable_list outputs =
+      apply_with_saved(node_idx, inputs, saved_tensors, apply_sizes, saved_scalars);
+  return validate_node_outputs(
+      require_active(node_idx, "apply_node").nodes[node_idx], std::move(outputs), validate_sizes);
+}
+
 bool probe_traceable(uint32_t node_idx) {
   BackwardState& state = require_active(node_idx, "probe_traceable");
   NodeState& ns = state.nodes[node_idx];
-  AutogradCompilerCall& collected = *ns.collected;
   TORCH_CHECK(
-      collected.sv_to_hooks.empty(),
+      ns.collected->sv_to_hooks.empty(),
       "probe_traceable: ",
       ns.call.node->name(),
       " has saved-tensor hooks; probing would run them");
   // The node's own values stand in for the graph's: nothing is computed,
   // the probe only lets the node reach bind_function.
-  for (const auto& t : collected.tensor_args.inputs) {
-    collected.tensor_args.lookup(t).proxy_tensor = t;
-  }
-  for (auto& arg : collected.lifted_ivalue_args.args) {
-    arg.proxy = *arg.actual_ptr;
-  }
-  collected.lifted_ivalue_args.next = 0;
-  TraceState trace(
-      std::vector<std::optional<c10::SymInt>>(ns.num_apply_sizes), 0);
   TraceabilityProbe probe;
-  {
-    ScopedSlot<NodeState> applying(applying_node(), &ns);
-    InterfaceScope interface;
-    SwapSavedVariables swap(collected, trace, installed_runtime(), ns.call);
-    ns.call.node->apply_with_saved(
-        variable_list(ns.call.node->num_inputs()), swap);
-  }
-  for (const auto& t : collected.tensor_args.inputs) {
-    collected.tensor_args.lookup(t).proxy_tensor = at::Tensor();
-  }
-  for (auto& arg : collected.lifted_ivalue_args.args) {
-    arg.proxy = at::IValue::uninitialized();
-  }
+  run_with_values(
+      ns,
+      variable_list(ns.call.node->num_inputs()),
+      ns.collected->tensor_args.inputs,
+      nb::handle(),
+      std::vector<std::optional<c10::SymInt>>(ns.num_apply_sizes));
   // A node that never binds computes in C++ on whatever it is given.
   return probe.is_traceable.value_or(true);
 }
@@ -492,6 +535,13 @@ nb::object describe_backward(const BackwardState& state) {
   }
   graph.miss_reason = state.miss_reason;
   graph.nodes.reserve(state.nodes.size());
+  // Walk index of each visited node, for the next edges (only needed here,
+  // on a miss; the walk itself keeps no such map).
+  std::unordered_map<const Node*, uint32_t> walk_index;
+  walk_index.reserve(state.nodes.size());
+  for (size_t i = 0; i < state.nodes.size(); ++i) {
+    walk_index.emplace(state.nodes[i].call.node.get(), static_cast<uint32_t>(i));
+  }
   uint32_t hook_offset = 0;
   for (size_t i = 0; i < state.nodes.size(); ++i) {
     const NodeState& ns = state.nodes[i];
@@ -503,9 +553,9 @@ nb::object describe_backward(const BackwardState& state) {
     info.num_inputs = static_cast<uint32_t>(node.num_inputs());
     info.num_outputs = static_cast<uint32_t>(node.num_outputs());
     for (const auto& edge : node.next_edges()) {
-      auto it = edge.is_valid() ? state.walk_index.find(edge.function.get())
-                                : state.walk_index.end();
-      if (it == state.walk_index.end()) {
+      auto it = edge.is_valid() ? walk_index.find(edge.function.get())
+                                : walk_index.end();
+      if (it == walk_index.end()) {
         info.next_edges.emplace_back(std::nullopt);
       } else {
         info.next_edges.emplace_back(std::make_pair(it->second, edge.input_nr));
@@ -633,6 +683,17 @@ void register_node_apply(nb::module_& m) {
       "Runs node `node_idx` of the running backward on `inputs` with its "
       "saved tensors, sizes (None keeps the node's own) and scalars replaced "
       "by the values given; returns its output grads (None = undefined).");
+  m.def(
+      "apply_node",
+      &apply_node,
+      nb::arg("node_idx"),
+      nb::arg("inputs"),
+      nb::arg("saved_tensors"),
+      nb::arg("apply_sizes").none(),
+      nb::arg("saved_scalars"),
+      nb::arg("validate_sizes").none(),
+      "apply_with_saved then validate_outputs in one call; see "
+      "[Note: One call per node].");
   m.def(
       "probe_traceable",
       &probe_traceable,

@@ -18,6 +18,8 @@ def test_apply_with_saved_outside_backward_raises() -> None:
         ca_core.apply_with_saved(0, [], [], None, [])
     with pytest.raises(RuntimeError, match="no compiled backward is running"):
         ca_core.validate_outputs(0, [], None)
+    with pytest.raises(RuntimeError, match="no compiled backward is running"):
+        ca_core.apply_node(0, [], [], None, [], None)
 
 
 def test_install_rejects_object_without_capture_methods() -> None:

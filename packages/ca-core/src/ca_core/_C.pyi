@@ -119,6 +119,14 @@ def apply_with_saved(
     saved_sizes: Sequence[int | None] | None,
     saved_scalars: Sequence[int | float],
 ) -> list[torch.Tensor | None]: ...
+def apply_node(
+    node_idx: int,
+    inputs: Sequence[torch.Tensor | None],
+    saved_tensors: Sequence[torch.Tensor | None],
+    apply_sizes: Sequence[int | None] | None,
+    saved_scalars: Sequence[int | float],
+    validate_sizes: Sequence[int | None] | None,
+) -> list[torch.Tensor | None]: ...
 def validate_outputs(
     node_idx: int,
     outputs: Sequence[torch.Tensor | None],

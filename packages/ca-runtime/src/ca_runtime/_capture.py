@@ -6,10 +6,11 @@ node in eager's order, as the engine's ``call_function`` does:
 1. tensor pre-hooks on its input grads (Python hooks inlined, C++ hooks and
    ``retain_grad`` behind a graph break), in registration order;
 2. grad_fn pre-hooks;
-3. the node: ``apply_with_saved`` with its own slice of the lifted tensors
-   and scalars, a Python Function's backward called directly, or either
-   behind a graph break (see [Note: Graph call kinds]);
-4. ``validate_outputs``, then grad_fn post-hooks;
+3. the node: ``apply_node`` (``apply_with_saved`` and ``validate_outputs`` in
+   one call) with its own slice of the lifted tensors and scalars, a Python
+   Function's backward called directly, or ``apply_with_saved`` behind a graph
+   break (see [Note: Graph call kinds]);
+4. ``validate_outputs`` (unless ``apply_node`` did), then grad_fn post-hooks;
 5. each output grad added into the buffer of the node its edge leads to.
 
 Inputs of AccumulateGrad nodes and the buffers ``torch.autograd.grad`` asked
@@ -218,16 +219,23 @@ def build_graph_module(graph: ca_core.BackwardGraph) -> Capture:
             saved_scalars = lifted_scalars[
                 node.scalar_offset : node.scalar_offset + node.num_scalars
             ]
-            apply = ops.apply_with_saved
             if handling is Handling.BREAK:
                 graph_break(node, rule.reason or "it cannot be traced")
-                apply = ops.apply_with_saved_eager
             apply_sizes = sizes_for(node.size_offset, node.num_apply_sizes)
-            outputs = fx.call_function(
-                apply, (node.index, list(buffer), saved, apply_sizes, saved_scalars)
-            )
         validate_sizes = sizes_for(node.size_offset + node.num_apply_sizes, node.num_validate_sizes)
-        outputs = fx.call_function(ops.validate_outputs, (node.index, outputs, validate_sizes))
+        if handling is Handling.TRACE:
+            # One call for the node and its output check; see [Note: One call per node] in ca_core.
+            outputs = fx.call_function(
+                ops.apply_node,
+                (node.index, list(buffer), saved, apply_sizes, saved_scalars, validate_sizes),
+            )
+        else:
+            if handling is Handling.BREAK:
+                outputs = fx.call_function(
+                    ops.apply_with_saved_eager,
+                    (node.index, list(buffer), saved, apply_sizes, saved_scalars),
+                )
+            outputs = fx.call_function(ops.validate_outputs, (node.index, outputs, validate_sizes))
         grads = unpack(outputs, node.num_outputs)
         for post_hook in node.post_hooks:
             grads = unpack(

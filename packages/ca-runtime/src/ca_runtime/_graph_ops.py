@@ -3,7 +3,8 @@
 Each is a plain Python function so that an FX graph can call it and Dynamo can
 compile that graph. Three kinds, see [Note: Graph call kinds]:
 
-- ``allow_in_graph`` (``apply_with_saved``, ``validate_outputs``): Dynamo
+- ``allow_in_graph`` (``apply_node``, ``apply_with_saved``,
+  ``validate_outputs``): Dynamo
   keeps the call and runs it on FakeTensors to learn its outputs; AOTAutograd
   traces through it down to ATen ops.
 - inlined (``accumulate``, the ``call_*_hook`` helpers,
@@ -39,6 +40,7 @@ from torch._dynamo.external_utils import call_backward
 __all__ = [
     "accumulate",
     "accumulate_grad_now",
+    "apply_node",
     "apply_with_saved",
     "apply_with_saved_eager",
     "call_cpp_tensor_pre_hook",
@@ -65,6 +67,19 @@ def apply_with_saved(
 ) -> Grads:
     """Runs node ``node_idx`` of the running backward with the saved values given."""
     return ca_core.apply_with_saved(node_idx, inputs, saved_tensors, saved_sizes, saved_scalars)
+
+
+@torch._dynamo.allow_in_graph
+def apply_node(
+    node_idx: int,
+    inputs: Sequence[torch.Tensor | None],
+    saved_tensors: Sequence[torch.Tensor],
+    apply_sizes: Sequence[int | None] | None,
+    saved_scalars: Sequence[int | float],
+    validate_sizes: Sequence[int | None] | None,
+) -> Grads:
+    """``apply_with_saved`` then ``validate_outputs`` on node ``node_idx``, in one call."""
+    return ca_core.apply_node(node_idx, inputs, saved_tensors, apply_sizes, saved_scalars, validate_sizes)
 
 
 @torch._dynamo.disable
