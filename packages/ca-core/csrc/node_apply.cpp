@@ -5,6 +5,9 @@
 #include "ca_core.h"
 #include "tensor_caster.h"
 
+#include <ATen/PythonTorchFunctionTLS.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <torch/csrc/Device.h>
 #include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/autograd/engine.h>
@@ -275,6 +278,54 @@ struct ProxyValues {
   AutogradCompilerCall& collected_;
 };
 
+/*
+[Note: Restoring a failed swap]
+A generated node's apply_with_saved calls SwapSavedVariables::before() on
+each saved value, runs its backward, then after() on each: plain calls, not
+RAII. When the backward throws in between -- typically while Dynamo runs it
+on FakeTensors and an op rejects them, after which Dynamo graph-breaks and
+runs it for real -- the node is left holding the swapped-in values
+(FakeTensors) for good: a retained graph's next backward, or the eager
+fallback, would then compute with them. torch keeps the values to restore in
+SwapSavedVariables' private stashes; restore_stashed reaches them through the
+one access route C++ leaves to private members (an explicit template
+instantiation may name them) and puts every value back.
+*/
+template <typename Tag, auto Member>
+struct PrivateMember {
+  friend auto member_of(Tag) {
+    return Member;
+  }
+};
+#define CA_PRIVATE_STASH(TAG, MEMBER)      \
+  struct TAG {                             \
+    friend auto member_of(TAG);            \
+  };                                       \
+  template struct PrivateMember<TAG, &SwapSavedVariables::MEMBER>;
+CA_PRIVATE_STASH(StashedVariables, stashed_variables)
+CA_PRIVATE_STASH(StashedTensors, stashed_tensors)
+CA_PRIVATE_STASH(StashedSymInts, stashed_symints)
+CA_PRIVATE_STASH(StashedIValues, stashed_ivalues)
+#undef CA_PRIVATE_STASH
+
+template <typename Stash>
+void put_back(Stash& stash) {
+  for (auto& [key, stashed] : stash) {
+    using T = std::remove_const_t<std::remove_pointer_t<std::remove_cvref_t<decltype(key)>>>;
+    *const_cast<T*>(key) = std::move(stashed.prior_value);
+  }
+  stash.clear();
+}
+
+/// Puts back every value `swap` swapped in and did not restore; see
+/// [Note: Restoring a failed swap].
+void restore_stashed(SwapSavedVariables& swap) {
+  put_back(swap.*member_of(StashedVariables{}));
+  put_back(swap.*member_of(StashedTensors{}));
+  put_back(swap.*member_of(StashedSymInts{}));
+  put_back(swap.*member_of(StashedIValues{}));
+}
+
 /// Runs `ns`'s node on `grads` with its saved tensors replaced by `tensors`,
 /// its lifted scalars by `scalars` (an invalid handle keeps its own) and its
 /// compiled_args sizes by `sizes`; see [Note: Proxy values].
@@ -290,7 +341,12 @@ variable_list run_with_values(
   ScopedSlot<NodeState> applying(applying_node(), &ns);
   InterfaceScope interface;
   SwapSavedVariables swap(collected, trace, installed_runtime(), ns.call);
-  return ns.call.node->apply_with_saved(grads, swap);
+  try {
+    return ns.call.node->apply_with_saved(grads, swap);
+  } catch (...) {
+    restore_stashed(swap);
+    throw;
+  }
 }
 
 /// Checks the values of apply_with_saved's argument lists against the node.
@@ -313,6 +369,91 @@ void check_saved_values(const NodeState& ns, const variable_list& tensors, nb::h
   }
 }
 
+/*
+[Note: Eager fast path]
+Swapping a node's own saved values in for themselves changes nothing, so when
+apply_with_saved is handed exactly those values on real tensors -- which is
+what happens on every cache hit whenever the graph runs as Python (Dynamo's
+eager backend, compiler_fn returning the graph, the eager side of a graph
+break) -- the node runs as the eager engine runs it, (*node)(grads), without
+SwapSavedVariables, packing or the functional registry. "Exactly" means:
+  - no replacement sizes (saved_sizes is None) and no saved-tensor hooks;
+  - each saved tensor is the very tensor the walk lifted (same TensorImpl) and
+    each scalar equals the node's own;
+  - nothing is being traced: no TorchDispatchMode or TorchFunctionMode is
+    active, no tracing dispatch key is in the thread's included set, and no
+    grad or saved tensor carries one (FakeTensor, FunctionalTensor and other
+    Python subclasses do). This matters for a node with nothing lifted, whose
+    identity check holds trivially: while Dynamo or AOTAutograd trace the
+    graph, Dynamo's FakeTensorMode or make_fx's proxy mode is active.
+Anything else takes the apply_with_saved path, which swaps every value in.
+The node's own values are its real ones here because a swap that failed
+half-way was undone; see [Note: Restoring a failed swap].
+*/
+constexpr c10::DispatchKeySet kTracingKeys({
+    c10::DispatchKey::Python,
+    c10::DispatchKey::PythonTLSSnapshot,
+    c10::DispatchKey::PythonDispatcher,
+    c10::DispatchKey::Functionalize,
+    c10::DispatchKey::FuncTorchDynamicLayerFrontMode,
+    c10::DispatchKey::FuncTorchDynamicLayerBackMode,
+    c10::DispatchKey::FuncTorchGradWrapper,
+    c10::DispatchKey::FuncTorchBatched,
+    c10::DispatchKey::PreDispatch,
+});
+
+bool plain(const at::Tensor& t) {
+  return !t.defined() || !t.key_set().has_any(kTracingKeys);
+}
+
+bool holds_own_values(
+    const NodeState& ns,
+    const variable_list& grads,
+    const variable_list& tensors,
+    nb::handle saved_sizes,
+    nb::handle scalars) {
+  const AutogradCompilerCall& collected = *ns.collected;
+  if (!saved_sizes.is_none() || !collected.sv_to_hooks.empty() ||
+      c10::impl::TorchDispatchModeTLS::any_modes_set() ||
+      at::impl::torch_function_mode_enabled() ||
+      c10::impl::tls_local_dispatch_key_set().included_.has_any(kTracingKeys)) {
+    return false;
+  }
+  for (const auto& g : grads) {
+    if (!plain(g)) {
+      return false;
+    }
+  }
+  const auto& lifted = collected.tensor_args.inputs;
+  for (size_t i = 0; i < lifted.size(); ++i) {
+    if (tensors[i].unsafeGetTensorImpl() != lifted[i].unsafeGetTensorImpl() ||
+        !plain(tensors[i])) {
+      return false;
+    }
+  }
+  const auto& args = collected.lifted_ivalue_args.args;
+  if (!args.empty() && !PyList_Check(scalars.ptr())) {
+    return false;
+  }
+  for (size_t i = 0; i < args.size(); ++i) {
+    PyObject* value = PyList_GET_ITEM(scalars.ptr(), static_cast<Py_ssize_t>(i));
+    const at::IValue& own = *args[i].actual_ptr;
+    if (own.isInt() && PyLong_CheckExact(value)) {
+      int overflow = 0;
+      if (PyLong_AsLongLongAndOverflow(value, &overflow) != own.toInt() || overflow != 0) {
+        return false;
+      }
+    } else if (own.isDouble() && PyFloat_CheckExact(value)) {
+      if (PyFloat_AS_DOUBLE(value) != own.toDouble()) {
+        return false;
+      }
+    } else {
+      return false;
+    }
+  }
+  return true;
+}
+
 variable_list apply_with_saved(
     uint32_t node_idx,
     nb::handle inputs,
@@ -323,9 +464,14 @@ variable_list apply_with_saved(
   NodeState& ns = state.nodes[node_idx];
   variable_list tensors = unpack_list(saved_tensors, "saved_tensors");
   check_saved_values(ns, tensors, saved_scalars);
+  variable_list grads = unpack_list(inputs, "inputs");
+  if (holds_own_values(ns, grads, tensors, saved_sizes, saved_scalars)) {
+    // See [Note: Eager fast path].
+    return (*ns.call.node)(std::move(grads));
+  }
   return run_with_values(
       ns,
-      unpack_list(inputs, "inputs"),
+      std::move(grads),
       tensors,
       saved_scalars,
       unpack_sizes(saved_sizes, ns.num_apply_sizes, "apply_with_saved"));

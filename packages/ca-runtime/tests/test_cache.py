@@ -281,3 +281,43 @@ def test_ca_logs_env_enables_miss_lines(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setattr(_log.miss_log, "level", logging.NOTSET)
     _log._configure_from_env()
     assert _log.miss_log.handlers and _log.miss_log.isEnabledFor(logging.INFO)
+
+
+def test_node_whose_trace_fails_runs_for_real_with_its_own_values(backend: str) -> None:
+    # index_fill with a tensor value: tracing its backward fails in Dynamo's
+    # fake propagation part-way through the node's swap, Dynamo graph-breaks
+    # and runs it for real. The node's saved index must be its own again
+    # (see [Note: Eager fast path] in ca_core), on every step and on a
+    # retained graph's second backward.
+    x = torch.randn((), requires_grad=True)
+    value = torch.randn((), requires_grad=True)
+    index = torch.tensor([0])
+
+    def step() -> list[torch.Tensor]:
+        out = x.index_fill(0, index, value) * 3.0
+        loss = 0 + out.sum()
+        loss.backward(retain_graph=True)
+        loss.backward()
+        return [x.grad.clone(), value.grad.clone()]
+
+    result = compare(step, backend, tensors={"x": x, "value": value}, steps=3)
+    result.assert_ok()
+
+
+@pytest.mark.parametrize("scale", [2.0, 3])
+def test_lifted_scalars_and_nothing_lifted_nodes_match_eager(backend: str, scale: float) -> None:
+    # Nodes with no lifted tensors (sum, add), a lifted scalar (pow's
+    # exponent, changed between steps) and shared saved tensors: the hit path
+    # runs these as eager does only when handed exactly their own values.
+    w = torch.randn(4, 3, requires_grad=True)
+
+    def step(i: int) -> torch.Tensor:
+        y = (w * w).pow(scale + i).sum(dim=1)
+        return (y + 1).sum()
+
+    def run(i: int) -> list[torch.Tensor]:
+        step(i).backward()
+        return [w.grad.clone()]
+
+    result = compare(run, backend, tensors={"w": w}, steps=3, rtol=1e-4)
+    result.assert_ok()
