@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
-from run import IMPLS, backend, implementation, mlp, transformer
+from run import IMPLS, backend, implementation, mlp, time_backward, transformer
 
 
 def main() -> None:
@@ -29,15 +28,7 @@ def main() -> None:
         work = make()
         work.compiler = backend(args.backend)
         for impl in IMPLS:
-            times = []
-            for i in range(23):
-                loss = work.forward(0)
-                for p in work.params:
-                    p.grad = None
-                with implementation(impl, work.compiler):
-                    start = time.perf_counter()
-                    loss.backward()
-                    times.append(time.perf_counter() - start)
+            times = [time_backward(work, impl) for _ in range(23)]
             loss = work.forward(0)
             for p in work.params:
                 p.grad = None
