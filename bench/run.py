@@ -148,7 +148,9 @@ def reset_all() -> None:
 
 def measure(work: Workload, iters: int, warmup: int = 3) -> dict[str, Any]:
     work.nodes = _graph_nodes(work.forward(0))
-    row: dict[str, Any] = {"workload": work.name, "nodes": work.nodes, "first_s": {}, "captures": {}}
+    row: dict[str, Any] = {
+        "workload": work.name, "nodes": work.nodes, "first_s": {}, "captures": {}, "dynamo_graphs": {}
+    }
     # Ours first: if the second compiled autograd reuses anything compiled in
     # this process despite reset_all(), the advantage goes to torch's.
     for impl in ("eager", "ours", "torch"):
@@ -160,6 +162,9 @@ def measure(work: Workload, iters: int, warmup: int = 3) -> dict[str, Any]:
             row["captures"]["ours"] = ca_runtime.stats()["captures"]
         if impl == "torch":
             row["captures"]["torch"] = int(counters["compiled_autograd"]["captures"])
+        # Graphs Dynamo compiled for this implementation (more than one per
+        # capture means recompiles).
+        row["dynamo_graphs"][impl] = int(counters["stats"]["unique_graphs"])
     # Dynamo was reset per implementation: warm everything again, then interleave.
     for impl in IMPLS:
         for _ in range(warmup):
@@ -194,8 +199,9 @@ def batch_sweep(compiler: Compiler, sizes: tuple[int, ...] = (4, 8, 16, 32, 8, 6
 
 def markdown(rows: list[dict[str, Any]], sweep: dict[str, Any], per_node: dict[str, Any]) -> str:
     lines = [
-        "| workload | backend | nodes | eager ms | torch ms | ours ms | ours/eager | ours/torch | first backward torch / ours s | captures torch / ours |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| workload | backend | nodes | eager ms | torch ms | ours ms | ours/eager | ours/torch | first backward torch / ours s "
+        "| captures torch / ours | Dynamo graphs torch / ours |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         m = r["median_s"]
@@ -203,7 +209,8 @@ def markdown(rows: list[dict[str, Any]], sweep: dict[str, Any], per_node: dict[s
             f"| {r['workload']} | {r['backend']} | {r['nodes']} | {m['eager'] * 1e3:.3f} | {m['torch'] * 1e3:.3f} | "
             f"{m['ours'] * 1e3:.3f} | {r['ours_over_eager']:.2f} | {r['ours_over_torch']:.2f} | "
             f"{r['first_s']['torch']:.2f} / {r['first_s']['ours']:.2f} | "
-            f"{r['captures'].get('torch', '-')} / {r['captures'].get('ours', '-')} |"
+            f"{r['captures'].get('torch', '-')} / {r['captures'].get('ours', '-')} | "
+            f"{r['dynamo_graphs'].get('torch', '-')} / {r['dynamo_graphs'].get('ours', '-')} |"
         )
     lines += [
         "",
