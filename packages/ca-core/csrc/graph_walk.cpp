@@ -203,7 +203,9 @@ class PointerMap {
 
  private:
   struct Slot {
+    /// The pointer mapped, or null for an empty slot.
     const void* key = nullptr;
+    /// Its value.
     V value{};
   };
   static size_t hash(const void* p) {
@@ -234,14 +236,19 @@ struct NodeMark {
   uint32_t id = kNoId;
   /// Dependencies not yet visited; valid when `counted`.
   int remaining = 0;
+  /// `remaining` was read from the GraphTask's dependency count.
   bool counted = false;
 };
 
 /// The walk's per-thread scratch maps; see [Note: Recycled walk state].
 struct WalkScratch {
+  /// Per node seen: its id and the dependencies it still waits for.
   PointerMap<NodeMark> nodes;
+  /// Per distinct lifted TensorImpl: its graph-input slot.
   PointerMap<uint32_t> slots;
+  /// Heap of nodes ready to visit, highest sequence_nr first.
   std::vector<Node*> ready;
+  /// A walk on this thread is using this scratch.
   bool in_use = false;
 };
 thread_local WalkScratch t_scratch;
