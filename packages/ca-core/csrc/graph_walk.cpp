@@ -175,8 +175,11 @@ class PointerMap {
     while (capacity < expected * 2) {
       capacity <<= 1;
     }
-    if (slots_.size() < capacity) {
+    // Shrinks too: after one huge graph, a small one must not clear (and
+    // keep) storage sized for the huge one.
+    if (slots_.size() < capacity || slots_.size() > capacity * 4) {
       slots_.assign(capacity, Slot{});
+      slots_.shrink_to_fit();
     } else {
       std::fill(slots_.begin(), slots_.end(), Slot{});
     }
