@@ -256,10 +256,15 @@ struct ProxyValues {
     for (size_t i = 0; i < lifted.size(); ++i) {
       collected.tensor_args.lookup(lifted[i]).proxy_tensor = tensors[i];
     }
-    for (size_t i = 0; i < scalar_args.size(); ++i) {
-      scalar_args[i].proxy = scalars.is_valid()
-          ? scalar_ivalue(nb::borrow<nb::sequence>(scalars)[i])
-          : *scalar_args[i].actual_ptr;
+    if (scalars.is_valid()) {
+      nb::sequence values = nb::borrow<nb::sequence>(scalars);
+      for (size_t i = 0; i < scalar_args.size(); ++i) {
+        scalar_args[i].proxy = scalar_ivalue(values[i]);
+      }
+    } else {
+      for (auto& arg : scalar_args) {
+        arg.proxy = *arg.actual_ptr;
+      }
     }
     collected.lifted_ivalue_args.next = 0;
   }
@@ -454,14 +459,14 @@ bool holds_own_values(
   return true;
 }
 
-variable_list apply_with_saved(
-    uint32_t node_idx,
+/// apply_with_saved on the node `ns` of the running backward (its eager fast
+/// path or the swap of the values given).
+variable_list apply_node_with_saved(
+    NodeState& ns,
     nb::handle inputs,
     nb::handle saved_tensors,
     nb::handle saved_sizes,
     nb::handle saved_scalars) {
-  BackwardState& state = require_active(node_idx, "apply_with_saved");
-  NodeState& ns = state.nodes[node_idx];
   variable_list tensors = unpack_list(saved_tensors, "saved_tensors");
   check_saved_values(ns, tensors, saved_scalars);
   variable_list grads = unpack_list(inputs, "inputs");
@@ -475,6 +480,20 @@ variable_list apply_with_saved(
       tensors,
       saved_scalars,
       unpack_sizes(saved_sizes, ns.num_apply_sizes, "apply_with_saved"));
+}
+
+variable_list apply_with_saved(
+    uint32_t node_idx,
+    nb::handle inputs,
+    nb::handle saved_tensors,
+    nb::handle saved_sizes,
+    nb::handle saved_scalars) {
+  return apply_node_with_saved(
+      require_active(node_idx, "apply_with_saved").nodes[node_idx],
+      inputs,
+      saved_tensors,
+      saved_sizes,
+      saved_scalars);
 }
 
 /// validate_outputs on `grads` with the next edges' sizes replaced by
@@ -524,10 +543,11 @@ variable_list apply_node(
     nb::handle apply_sizes,
     nb::handle saved_scalars,
     nb::handle validate_sizes) {
-  variable_list outputs =
-      apply_with_saved(node_idx, inputs, saved_tensors, apply_sizes, saved_scalars);
+  NodeState& ns = require_active(node_idx, "apply_node").nodes[node_idx];
   return validate_node_outputs(
-      require_active(node_idx, "apply_node").nodes[node_idx], std::move(outputs), validate_sizes);
+      ns,
+      apply_node_with_saved(ns, inputs, saved_tensors, apply_sizes, saved_scalars),
+      validate_sizes);
 }
 
 bool probe_traceable(uint32_t node_idx) {

@@ -3,10 +3,9 @@
 Each is a plain Python function so that an FX graph can call it and Dynamo can
 compile that graph. Three kinds, see [Note: Graph call kinds]:
 
-- ``allow_in_graph`` (``apply_node``, ``apply_with_saved``,
-  ``validate_outputs``): Dynamo
-  keeps the call and runs it on FakeTensors to learn its outputs; AOTAutograd
-  traces through it down to ATen ops.
+- ``allow_in_graph`` (``apply_node``, ``validate_outputs``): Dynamo keeps the
+  call and runs it on FakeTensors to learn its outputs; AOTAutograd traces
+  through it down to ATen ops.
 - inlined (``accumulate``, the ``call_*_hook`` helpers,
   ``call_function_backward``, ``materialize_grad``): ordinary Python that
   Dynamo traces into, so a user hook or a Python Function's backward becomes
@@ -41,7 +40,6 @@ __all__ = [
     "accumulate",
     "accumulate_grad_now",
     "apply_node",
-    "apply_with_saved",
     "apply_with_saved_eager",
     "call_cpp_tensor_pre_hook",
     "call_function_backward",
@@ -55,18 +53,6 @@ __all__ = [
 ]
 
 Grads = list[torch.Tensor | None]
-
-
-@torch._dynamo.allow_in_graph
-def apply_with_saved(
-    node_idx: int,
-    inputs: Sequence[torch.Tensor | None],
-    saved_tensors: Sequence[torch.Tensor],
-    saved_sizes: Sequence[int | None] | None,
-    saved_scalars: Sequence[int | float],
-) -> Grads:
-    """Runs node ``node_idx`` of the running backward with the saved values given."""
-    return ca_core.apply_with_saved(node_idx, inputs, saved_tensors, saved_sizes, saved_scalars)
 
 
 @torch._dynamo.allow_in_graph

@@ -3,7 +3,7 @@
 A node rule matches a node by its demangled C++ type (``NodeInfo.type_name``,
 an ``fnmatch`` pattern), its name (``NodeInfo.name``) and an optional
 condition; the first matching rule wins and the default is to trace the node
-through ``apply_with_saved``. AccumulateGrad is not a row: ca_core decides
+through ``apply_node``. AccumulateGrad is not a row: ca_core decides
 which nodes are leaves (``NodeInfo.is_accumulate_grad``) and the capture must
 follow that same flag.
 """
