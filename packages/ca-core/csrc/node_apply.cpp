@@ -58,6 +58,16 @@ struct FunctionInfo {
   /// Per node input: zeros to pass when the grad is undefined, or None to
   /// pass None (ctx.set_materialize_grads(False), non-differentiable output).
   std::vector<std::optional<ZerosSpec>> materialize;
+  /// The ctx object itself (capture reads its Function class, e.g. the AOT
+  /// backward graph of a torch.compile'd region; see [Note: AOT backwards]).
+  nb::object ctx;
+  /// Values of ctx's symints at this walk; they are the node's first size
+  /// inputs (dynamic ones are read from the graph's `sizes` instead).
+  std::vector<int64_t> symints;
+  /// Index in the graph's `hooks` list of ctx's Dynamo BackwardState, or None.
+  std::optional<uint32_t> backward_state_hook;
+  /// Indices in the graph's `hooks` list of ctx.opaque_objects.
+  std::vector<uint32_t> opaque_hooks;
 };
 
 /// One tensor pre-hook as capture() sees it.
@@ -639,7 +649,18 @@ std::optional<FunctionInfo> describe_function(
   }
   auto* f = reinterpret_cast<THPFunction*>(py_node->pyobj());
   FunctionInfo info;
-  info.ctx_hook = hook_offset + static_cast<uint32_t>(std::get<0>(objs->second));
+  const auto& [ctx_idx, backward_state_idx, opaque_indices] = objs->second;
+  info.ctx_hook = hook_offset + static_cast<uint32_t>(ctx_idx);
+  info.ctx = nb::borrow(py_node->pyobj());
+  if (backward_state_idx) {
+    info.backward_state_hook = hook_offset + static_cast<uint32_t>(*backward_state_idx);
+  }
+  for (size_t idx : opaque_indices) {
+    info.opaque_hooks.push_back(hook_offset + static_cast<uint32_t>(idx));
+  }
+  for (const auto& s : f->compiled_autograd_symints) {
+    info.symints.push_back(s.guard_int(__FILE__, __LINE__));
+  }
   for (const auto& sv : f->saved_variables) {
     const auto& arg = collected.tensor_args.lookup(sv);
     if (arg.defined()) {
@@ -795,7 +816,11 @@ void register_node_apply(nb::module_& m) {
       .def_ro("ctx_hook", &FunctionInfo::ctx_hook)
       .def_ro("saved_slots", &FunctionInfo::saved_slots)
       .def_ro("is_variable_input", &FunctionInfo::is_variable_input)
-      .def_ro("materialize", &FunctionInfo::materialize);
+      .def_ro("materialize", &FunctionInfo::materialize)
+      .def_ro("ctx", &FunctionInfo::ctx)
+      .def_ro("symints", &FunctionInfo::symints)
+      .def_ro("backward_state_hook", &FunctionInfo::backward_state_hook)
+      .def_ro("opaque_hooks", &FunctionInfo::opaque_hooks);
   nb::class_<TensorPreHookInfo>(m, "TensorPreHookInfo", "One tensor pre-hook of a node.")
       .def_ro("kind", &TensorPreHookInfo::kind)
       .def_ro("hook", &TensorPreHookInfo::hook)

@@ -43,6 +43,7 @@ import torch
 import torch.fx
 
 from ca_runtime import _graph_ops as ops
+from ca_runtime._aot import NotCopyable, copy_aot_backward
 from ca_runtime._node_rules import HOOK_RULES, Handling, rule_for
 
 __all__ = ["Capture", "GraphBreak", "UnsupportedNode", "build_graph_module"]
@@ -152,7 +153,9 @@ def build_graph_module(graph: ca_core.BackwardGraph) -> Capture:
     buffers: dict[int, list[Any]] = {}
     grad_outputs: list[Any] = [None] * graph.num_outputs
     leaf_grads: list[Any] = []
-    capture = Capture(torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph()), [])
+    # Holds the attributes copied AOT backward graphs read (see [Note: AOT backwards]).
+    root = torch.nn.Module()
+    capture = Capture(torch.fx.GraphModule(root, torch.fx.Graph()), [])
 
     def graph_break(node: ca_core.NodeInfo, reason: str) -> None:
         capture.graph_breaks.append(GraphBreak(node.name, node.index, reason))
@@ -207,20 +210,28 @@ def build_graph_module(graph: ca_core.BackwardGraph) -> Capture:
                 fx.call_function(ops.call_pre_hook, (hook_at(pre_hook), list(buffer))),
                 node.num_inputs,
             )
-        handling = rule.handling
+        handling, reason = rule.handling, rule.reason
         if handling is Handling.PROBE:
             handling = Handling.TRACE if ca_core.probe_traceable(node.index) else Handling.BREAK
-        if handling is Handling.FUNCTION and node.function is None:
+        if handling in (Handling.FUNCTION, Handling.AOT) and node.function is None:
             handling = Handling.BREAK
+        if handling is Handling.AOT:
+            try:
+                outputs = _copy_aot_backward(
+                    fx, root, node, buffer, lifted, hook_at, size_at, graph.create_graph
+                )
+            except NotCopyable as e:
+                handling = Handling.BREAK
+                reason = f"the backward of a torch.compile'd region runs eagerly: {e}"
         if handling is Handling.FUNCTION:
             outputs = _call_function(fx, node, buffer, lifted, hook_at, size_at)
-        else:
+        elif handling is not Handling.AOT:
             saved = [lifted[slot] for slot in node.tensor_slots]
             saved_scalars = lifted_scalars[
                 node.scalar_offset : node.scalar_offset + node.num_scalars
             ]
             if handling is Handling.BREAK:
-                graph_break(node, rule.reason or "it cannot be traced")
+                graph_break(node, reason or "it cannot be traced")
             apply_sizes = sizes_for(node.size_offset, node.num_apply_sizes)
         validate_sizes = sizes_for(node.size_offset + node.num_apply_sizes, node.num_validate_sizes)
         if handling is Handling.TRACE:
@@ -255,7 +266,7 @@ def build_graph_module(graph: ca_core.BackwardGraph) -> Capture:
 
     fx.output(grad_outputs + leaf_grads)
     fx.eliminate_dead_code(is_impure_node=_is_impure)
-    capture.graph_module = torch.fx.GraphModule(torch.nn.Module(), fx, "CompiledBackward")
+    capture.graph_module = torch.fx.GraphModule(root, fx, "CompiledBackward")
     return capture
 
 
@@ -280,6 +291,20 @@ def _call_function(
     """
     function = node.function
     assert function is not None
+    grads = _materialized_grads(fx, node, buffer, size_at)
+    saved = [None if slot is None else lifted[slot] for slot in function.saved_slots]
+    return fx.call_function(
+        ops.call_function_backward,
+        (hook_at(function.ctx_hook), saved, tuple(function.is_variable_input), node.name, *grads),
+    )
+
+
+def _materialized_grads(
+    fx: torch.fx.Graph, node: ca_core.NodeInfo, buffer: list[Any], size_at: Any
+) -> list[Any]:
+    """A Python Function's input grads, undefined ones replaced by zeros as eager's PyNode does."""
+    function = node.function
+    assert function is not None
     grads: list[Any] = []
     for grad, spec in zip(buffer, function.materialize):
         if spec is not None:
@@ -287,8 +312,36 @@ def _call_function(
             shape = [extent if dim is None else dim for dim, extent in zip(dims, spec.shape)]
             grad = fx.call_function(ops.materialize_grad, (grad, shape, spec.dtype, spec.device))
         grads.append(grad)
-    saved = [None if slot is None else lifted[slot] for slot in function.saved_slots]
-    return fx.call_function(
-        ops.call_function_backward,
-        (hook_at(function.ctx_hook), saved, tuple(function.is_variable_input), node.name, *grads),
+    return grads
+
+
+def _copy_aot_backward(
+    fx: torch.fx.Graph,
+    root: torch.nn.Module,
+    node: ca_core.NodeInfo,
+    buffer: list[Any],
+    lifted: list[torch.fx.Node],
+    hook_at: Any,
+    size_at: Any,
+    create_graph: bool,
+) -> list[Any]:
+    """A torch.compile'd region's backward, copied into the graph; see [Note: AOT backwards]."""
+    function = node.function
+    assert function is not None
+    symints = [
+        value if (dim := size_at(node.size_offset + i)) is None else dim
+        for i, value in enumerate(function.symints)
+    ]
+    return copy_aot_backward(
+        fx,
+        root,
+        node,
+        _materialized_grads(fx, node, buffer, size_at),
+        saved=[None if slot is None else lifted[slot] for slot in function.saved_slots],
+        symints=symints,
+        opaque=[hook_at(i) for i in function.opaque_hooks],
+        backward_state=(
+            None if function.backward_state_hook is None else hook_at(function.backward_state_hook)
+        ),
+        create_graph=create_graph,
     )

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import ca_core
 
+from ca_runtime._aot import is_aot_backward
+
 __all__ = ["HOOK_RULES", "Handling", "HookRule", "NODE_RULES", "NodeRule", "rule_for"]
 
 
@@ -27,6 +29,9 @@ class Handling(enum.Enum):
     TRACE = "trace"
     #: A Python autograd.Function: the graph calls its backward itself.
     FUNCTION = "function"
+    #: A torch.compile'd region's backward: its ATen graph is copied into
+    #: ours, or BREAK where it cannot be; see [Note: AOT backwards].
+    AOT = "aot"
     #: Traced if ``ca_core.probe_traceable`` says so, else BREAK.
     PROBE = "probe"
     #: Runs eagerly behind a graph break; see [Note: Graph call kinds].
@@ -67,12 +72,7 @@ NODE_RULES: tuple[NodeRule, ...] = (
         "reentrant checkpoint runs a backward inside its backward",
         name="CheckpointFunctionBackward",
     ),
-    NodeRule(
-        "torch::autograd::PyNode",
-        Handling.UNSUPPORTED,
-        "the backward of a torch.compile'd region (AOTAutograd) is not captured yet",
-        name="CompiledFunctionBackward*",
-    ),
+    NodeRule("torch::autograd::PyNode", Handling.AOT, condition=is_aot_backward),
     NodeRule("torch::autograd::PyNode", Handling.FUNCTION),
     NodeRule(
         "torch::autograd::CppNode<*>",

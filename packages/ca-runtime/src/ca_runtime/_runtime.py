@@ -40,7 +40,7 @@ from typing import Any
 
 import ca_core
 import torch
-from torch._dynamo.external_utils import call_backward
+from torch._dynamo.external_utils import FakeBackwardCFunction, call_backward
 
 from ca_runtime._capture import UnsupportedNode, build_graph_module
 from ca_runtime._log import EagerFallbackWarning, GraphBreakWarning, log, miss_log
@@ -204,7 +204,15 @@ class Runtime:
         backward_state_idx: int | None,
         opaque_object_indices: list[int],
     ) -> tuple[torch.Tensor | None, ...]:
-        """Runs a Python Function's backward for torch's PyNode::apply_with_saved."""
+        """Runs a Python Function's backward for torch's PyNode::apply_with_saved.
+
+        AOTAutograd's CompiledFunction (``boxed_grads_call``) takes its grads
+        as one list, which it may empty as it frees them.
+        """
+        if getattr(ctx._forward_cls, "boxed_grads_call", False):
+            fake = FakeBackwardCFunction(ctx, list(saved_tensors))
+            grads = fake._forward_cls.backward(fake, list(inputs))
+            return grads if isinstance(grads, tuple) else (grads,)
         return call_backward(ctx, list(saved_tensors), *inputs)
 
     @staticmethod

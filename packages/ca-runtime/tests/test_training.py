@@ -1,0 +1,195 @@
+"""Real training setups against eager: torch.compile'd forwards, double backward, callbacks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from ca_testkit import compare
+
+
+def _mlp(seed: int = 0, width: int = 16) -> torch.nn.Sequential:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, width), torch.nn.ReLU(), torch.nn.Linear(width, width),
+        torch.nn.Tanh(), torch.nn.Linear(width, 4),
+    )
+
+
+def _assert_captured(stats: dict[str, int], graph_breaks: int = 0, captures: int = 1) -> None:
+    assert stats["captures"] >= captures, stats
+    assert stats["eager_fallbacks"] == 0, stats
+    assert stats["graph_breaks"] == graph_breaks, stats
+
+
+# --- backward of a torch.compile'd region (see [Note: AOT backwards]) ---
+
+
+def test_compiled_model_backward_is_captured(backend: str) -> None:
+    model = _mlp()
+    compiled = torch.compile(model, backend="aot_eager")
+    x = torch.randn(5, 8)
+
+    def step() -> torch.Tensor:
+        loss = compiled(x).pow(2).sum()
+        loss.backward()
+        return loss
+
+    result = compare(step, backend, tensors=model, steps=3)
+    result.assert_ok()
+    _assert_captured(result.stats)
+
+
+class _Sandwich(torch.nn.Module):
+    """Two compiled submodules with eager code (and a leaf input grad) between them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.encoder = torch.compile(torch.nn.Sequential(torch.nn.Linear(8, 12), torch.nn.GELU()), backend="aot_eager")
+        self.scale = torch.nn.Parameter(torch.tensor(1.5))
+        self.head = torch.compile(torch.nn.Linear(12, 3), backend="aot_eager")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.encoder(x)
+        h = torch.sin(h) * self.scale  # eager between the compiled regions
+        return self.head(h)
+
+
+def test_compiled_submodules_with_eager_code_between(backend: str) -> None:
+    model = _Sandwich()
+    x = torch.randn(6, 8, requires_grad=True)
+
+    def step() -> torch.Tensor:
+        out = model(x)
+        out.sum().backward()
+        return out.detach()
+
+    result = compare(step, backend, tensors={**dict(model.named_parameters()), "x": x}, steps=3)
+    result.assert_ok()
+    _assert_captured(result.stats)
+
+
+def test_compiled_region_with_unused_and_integer_outputs(backend: str) -> None:
+    """An output whose grad is undefined gets AOT's zeros; a non-differentiable one none."""
+    w = torch.randn(4, 4, requires_grad=True)
+
+    @torch.compile(backend="aot_eager")
+    def region(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        y = x @ w
+        return y.relu(), y.exp(), y.argmax(dim=1)
+
+    x = torch.randn(3, 4)
+
+    def step() -> None:
+        a, _unused, idx = region(x)
+        (a * idx.unsqueeze(1)).sum().backward()
+
+    result = compare(step, backend, tensors=[w], steps=2)
+    result.assert_ok()
+    _assert_captured(result.stats)
+
+
+def test_compiled_forward_recompiled_for_new_batch_sizes(backend: str) -> None:
+    """A forward that turns dynamic after a new batch size: its symints reach our graph."""
+    model = _mlp(seed=2)
+    compiled = torch.compile(model, backend="aot_eager")
+    batches = [4, 7, 12, 7, 5]
+
+    def step(i: int) -> None:
+        torch.manual_seed(i)
+        x = torch.randn(batches[i], 8)
+        compiled(x).sum().backward()
+
+    result = compare(step, backend, tensors=model, steps=len(batches))
+    result.assert_ok()
+    _assert_captured(result.stats)
+    # Static, then one graph per forward class and .grad state at most.
+    assert result.stats["captures"] <= 4, result.stats
+
+
+def test_compiled_region_under_create_graph_breaks_only_that_node(backend: str) -> None:
+    """AOT's backward is not differentiable: create_graph=True runs it eagerly, as eager does."""
+    model = _mlp(seed=3)
+    compiled = torch.compile(model, backend="aot_eager")
+    x = torch.randn(3, 8, requires_grad=True)
+
+    def step() -> torch.Tensor:
+        (g,) = torch.autograd.grad(compiled(x).sum(), x, create_graph=True)
+        return g.detach()
+
+    result = compare(step, backend, tensors=[x], steps=2)
+    result.assert_ok()
+    _assert_captured(result.stats, graph_breaks=1)
+
+
+@pytest.mark.inductor
+def test_inductor_forward_with_inductor_backward() -> None:
+    model = _mlp(seed=4, width=32)
+    compiled = torch.compile(model, backend="inductor")
+    x = torch.randn(16, 8)
+
+    def step() -> None:
+        compiled(x).pow(2).mean().backward()
+
+    result = compare(step, "inductor", tensors=model, steps=3, atol=1e-5)
+    result.assert_ok()
+    _assert_captured(result.stats)
+
+
+# --- create_graph=True: double backward captured too ---
+
+
+def test_gradient_penalty(backend: str) -> None:
+    """WGAN-GP: grads of the critic w.r.t. its input, penalised, then one backward."""
+    critic = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    x = torch.randn(6, 4, requires_grad=True)
+
+    def step() -> torch.Tensor:
+        out = critic(x)
+        (g,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+        gp = ((g.norm(2, dim=1) - 1) ** 2).mean()
+        loss = out.mean() + 10 * gp
+        loss.backward()
+        return loss.detach()
+
+    result = compare(step, backend, tensors={**dict(critic.named_parameters()), "x": x}, steps=3)
+    result.assert_ok()
+    _assert_captured(result.stats, captures=2)
+
+
+def test_hessian_vector_product(backend: str) -> None:
+    w = torch.randn(5, requires_grad=True)
+    a = torch.randn(5, 5)
+    v = torch.randn(5)
+
+    def step() -> torch.Tensor:
+        loss = (torch.tanh(a @ w) ** 2).sum() + (w**3).sum()
+        (g,) = torch.autograd.grad(loss, w, create_graph=True)
+        (hv,) = torch.autograd.grad((g * v).sum(), w)
+        return hv
+
+    result = compare(step, backend, tensors=[w], steps=3)
+    result.assert_ok()
+    _assert_captured(result.stats, captures=2)
+
+
+def test_maml_inner_loop(backend: str) -> None:
+    """Inner SGD steps with create_graph=True; the outer loss differentiates through them."""
+    torch.manual_seed(5)
+    w = torch.randn(4, 1, requires_grad=True)
+    xs, ys = torch.randn(8, 4), torch.randn(8, 1)
+    xq, yq = torch.randn(8, 4), torch.randn(8, 1)
+
+    def step() -> torch.Tensor:
+        fast = w
+        for _ in range(2):
+            inner = ((xs @ fast).tanh() - ys).pow(2).mean()
+            (g,) = torch.autograd.grad(inner, fast, create_graph=True)
+            fast = fast - 0.1 * g
+        outer = ((xq @ fast).tanh() - yq).pow(2).mean()
+        outer.backward()
+        return outer.detach()
+
+    result = compare(step, backend, tensors=[w], steps=3)
+    result.assert_ok()
+    _assert_captured(result.stats, captures=3)
