@@ -84,6 +84,11 @@ struct NodeState {
   std::vector<uint32_t> tensor_slots;
   /// Tensor pre-hooks (Python, C++, retain_grad) in eager's call order.
   std::vector<TensorPreHook> tensor_pre_hooks;
+  /// While apply_node runs this node: its saved tensors with unpack hooks,
+  /// already unpacked by the graph, by packed-input id (collected->
+  /// packed_inputs order); call_unpack hands them to SwapSavedVariables.
+  /// See [Note: Unpack hooks in the graph].
+  const variable_list* unpacked = nullptr;
 };
 
 struct ShadowNode;

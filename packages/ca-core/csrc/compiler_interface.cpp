@@ -146,6 +146,24 @@ variable_list call_torch_functional(
   return out;
 }
 
+/*
+[Note: Unpack hooks in the graph]
+A saved tensor with an unpack hook (saved_tensors_hooks, non-reentrant
+checkpoint, CPU offload) is not lifted: torch's collection keeps the hook and
+its packed data (AutogradCompilerCall::sv_to_hooks, packed_inputs), and
+SwapSavedVariables asks call_unpack for the tensor when the node runs. The
+graph unpacks instead: the packed data reach it through the `hooks` input
+(after each node's own hooks, in packed-input order), ca_runtime's capture
+emits `unpack_hook(packed)` where eager unpacks (just before the node), so
+Dynamo traces the hook like any other, and passes the results to apply_node
+after the node's lifted tensors. While the node runs, NodeState::unpacked
+points at them and call_unpack answers from there. A hook Dynamo would skip
+(checkpoint's own) is called behind a graph break of its own, the node itself
+still traced. Without unpacked values (a node applied whole behind a graph
+break, e.g. a Python Function's) call_unpack runs the hook itself, once per
+unpack as eager does; the traceability probe never runs one.
+*/
+
 class CaCompilerInterface final : public PyCompilerInterface {
  public:
   std::string bind_function(
@@ -245,11 +263,18 @@ class CaCompilerInterface final : public PyCompilerInterface {
       PyObject* /*py_compiler*/,
       std::optional<size_t> hook_id,
       size_t hook_input_id) const override {
-    // A saved tensor with an unpack hook, met while its node is applied
-    // (always eagerly, behind a graph break): run the hook on its packed
-    // data, exactly once per unpack as the eager engine does.
+    // See [Note: Unpack hooks in the graph].
     NodeState* ns = applying_node();
     TORCH_INTERNAL_ASSERT(ns != nullptr && ns->collected && hook_id.has_value());
+    if (ns->unpacked != nullptr) {
+      return ns->unpacked->at(hook_input_id);
+    }
+    if (active_probe() != nullptr) {
+      // probe_traceable computes nothing: never run a user hook for it.
+      return at::Tensor();
+    }
+    // No unpacked values given (apply_with_saved without them): run the hook
+    // on its packed data, once per unpack as the eager engine does.
     const AutogradCompilerCall& collected = *ns->collected;
     PyObject* hook = py_object(collected.hooks.at(*hook_id));
     PyObject* packed = py_object(collected.packed_inputs.at(hook_input_id));

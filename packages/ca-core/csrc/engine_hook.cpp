@@ -140,6 +140,11 @@ GraphArgs lift_args(const BackwardState& state) {
     for (const auto& hook : ns.collected->hooks) {
       args.hooks.append(nb::handle(py_object(hook)));
     }
+    // Packed data of saved tensors with unpack hooks, after the node's hooks;
+    // see NodeInfo::unpack_hooks.
+    for (const auto& packed : ns.collected->packed_inputs) {
+      args.hooks.append(nb::handle(py_object(packed)));
+    }
     if (ns.is_accumulate_grad) {
       continue;
     }

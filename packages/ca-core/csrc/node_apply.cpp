@@ -127,6 +127,13 @@ struct NodeInfo {
   std::vector<uint32_t> post_hooks;
   /// Saved tensors whose unpack hook runs when the node is applied.
   uint32_t num_saved_tensor_hooks = 0;
+  /// Per saved tensor with an unpack hook, in packed-input order (the order
+  /// apply_node takes the unpacked tensors, after the lifted ones): (index in
+  /// the graph's `hooks` of the unpack hook, index of its packed data).
+  std::vector<std::pair<uint32_t, uint32_t>> unpack_hooks;
+  /// The unpack hook objects themselves (same order), so that capture can
+  /// decide whether Dynamo may trace each one.
+  std::vector<nb::object> unpack_hook_fns;
   /// Set for a Python torch.autograd.Function the graph can call directly.
   std::optional<FunctionInfo> function;
 };
@@ -354,6 +361,15 @@ variable_list run_with_values(
   ProxyValues proxies(collected, tensors, scalars);
   TraceState trace(std::move(sizes), 0);
   ScopedSlot<NodeState> applying(applying_node(), &ns);
+  // Saved tensors the graph unpacked follow the lifted ones; see
+  // [Note: Unpack hooks in the graph].
+  const size_t num_lifted = collected.tensor_args.inputs.size();
+  variable_list unpacked;
+  if (tensors.size() > num_lifted) {
+    unpacked.assign(tensors.begin() + num_lifted, tensors.end());
+  }
+  ScopedSlot<const variable_list> unpacked_scope(
+      ns.unpacked, unpacked.empty() ? nullptr : &unpacked);
   InterfaceScope interface;
   SwapSavedVariables swap(collected, trace, installed_runtime(), ns.call);
   try {
@@ -366,12 +382,16 @@ variable_list run_with_values(
 
 /// Checks the values of apply_with_saved's argument lists against the node.
 void check_saved_values(const NodeState& ns, const variable_list& tensors, nb::handle saved_scalars) {
+  // The unpacked saved tensors are optional: without them call_unpack runs
+  // the hooks; see [Note: Unpack hooks in the graph].
   const size_t expected_tensors = ns.collected->tensor_args.inputs.size();
-  if (tensors.size() != expected_tensors) {
+  const size_t num_unpacked = ns.collected->packed_inputs.size();
+  if (tensors.size() != expected_tensors && tensors.size() != expected_tensors + num_unpacked) {
     throw nb::value_error(
         ("apply_with_saved: saved_tensors has " + std::to_string(tensors.size()) +
          " tensors, " + ns.call.node->name() + " saved " +
-         std::to_string(expected_tensors))
+         std::to_string(expected_tensors) +
+         (num_unpacked ? " (+ " + std::to_string(num_unpacked) + " unpacked)" : std::string()))
             .c_str());
   }
   const size_t expected_scalars = ns.collected->lifted_ivalue_args.args.size();
@@ -563,11 +583,6 @@ variable_list apply_node(
 bool probe_traceable(uint32_t node_idx) {
   BackwardState& state = require_active(node_idx, "probe_traceable");
   NodeState& ns = state.nodes[node_idx];
-  TORCH_CHECK(
-      ns.collected->sv_to_hooks.empty(),
-      "probe_traceable: ",
-      ns.call.node->name(),
-      " has saved-tensor hooks; probing would run them");
   // The node's own values stand in for the graph's: nothing is computed,
   // the probe only lets the node reach bind_function.
   TraceabilityProbe probe;
@@ -798,8 +813,21 @@ nb::object describe_backward(const BackwardState& state) {
       }
       info.num_saved_tensor_hooks =
           static_cast<uint32_t>(ns.collected->sv_to_hooks.size());
+      {
+        const auto num_hooks = static_cast<uint32_t>(ns.collected->hooks.size());
+        info.unpack_hooks.resize(ns.collected->packed_inputs.size());
+        info.unpack_hook_fns.resize(ns.collected->packed_inputs.size());
+        for (const auto& [sv, ids] : ns.collected->sv_to_hooks) {
+          info.unpack_hooks.at(ids.second) = {
+              hook_offset + static_cast<uint32_t>(ids.first),
+              hook_offset + num_hooks + static_cast<uint32_t>(ids.second)};
+          info.unpack_hook_fns.at(ids.second) =
+              nb::borrow(py_object(ns.collected->hooks.at(ids.first)));
+        }
+      }
       info.function = describe_function(ns, hook_offset);
-      hook_offset += static_cast<uint32_t>(ns.collected->hooks.size());
+      hook_offset += static_cast<uint32_t>(
+          ns.collected->hooks.size() + ns.collected->packed_inputs.size());
     }
     graph.num_scalars += info.num_scalars;
   }
@@ -846,6 +874,8 @@ void register_node_apply(nb::module_& m) {
       .def_ro("pre_hooks", &NodeInfo::pre_hooks)
       .def_ro("post_hooks", &NodeInfo::post_hooks)
       .def_ro("num_saved_tensor_hooks", &NodeInfo::num_saved_tensor_hooks)
+      .def_ro("unpack_hooks", &NodeInfo::unpack_hooks)
+      .def_ro("unpack_hook_fns", &NodeInfo::unpack_hook_fns)
       .def_ro("function", &NodeInfo::function)
       .def("__repr__", [](const NodeInfo& n) {
         return "NodeInfo(" + std::to_string(n.index) + ", " + n.name + ")";

@@ -209,7 +209,77 @@ def test_saved_tensor_hooks_fire_as_in_eager(backend: str) -> None:
 
     result = compare(step, backend, tensors=[x, w], steps=3)
     result.assert_ok()
+    # Traced into the graph: see [Note: Unpack hooks in the graph].
     assert result.stats["eager_fallbacks"] == 0
+    assert result.stats["graph_breaks"] == 0
+
+
+class _Offload:
+    """CPU-offload style hooks as a callable object holding state: pack to float64, unpack back."""
+
+    def __init__(self) -> None:
+        self.unpacked = 0
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(torch.float64)
+
+    def __call__(self, packed: torch.Tensor) -> torch.Tensor:
+        self.unpacked += 1
+        return packed.to(torch.float32)
+
+
+def test_offload_hooks_in_an_mlp_are_traced(backend: str) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.GELU(), torch.nn.Linear(12, 3))
+    x = torch.randn(5, 6)
+    offload = _Offload()
+
+    def step() -> int:
+        offload.unpacked = 0
+        with torch.autograd.graph.saved_tensors_hooks(offload.pack, offload):
+            loss = model(x).pow(2).sum()
+        loss.backward()
+        return offload.unpacked
+
+    result = compare(step, backend, tensors=model, steps=3)
+    result.assert_ok()
+    assert result.stats["captures"] >= 1
+    assert result.stats["eager_fallbacks"] == 0
+    assert result.stats["graph_breaks"] == 0
+
+
+def test_unpack_hook_dynamo_skips_breaks_at_its_node_only(backend: str) -> None:
+    """A hook Dynamo would not inline (a torch.utils function) runs behind one break per node."""
+    x, w = _leaves((3, 3), (3, 3))
+
+    def step() -> None:
+        # default_convert returns a tensor unchanged; torch.utils is on Dynamo's skip list.
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, torch.utils.data.default_convert):
+            y = (x * w).sin()
+        y.sum().backward()
+
+    result = compare(step, backend, tensors=[x, w], steps=2)
+    result.assert_ok()
+    assert result.stats["eager_fallbacks"] == 0
+    # MulBackward0 and SinBackward0, per captured graph.
+    assert result.stats["graph_breaks"] == 2 * result.stats["captures"]
+
+
+def test_unpack_hooks_under_create_graph_run_with_their_node(backend: str) -> None:
+    (x,) = _leaves((4,))
+    unpacks: list[int] = []
+
+    def step() -> torch.Tensor:
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: unpacks.append(1) or t):
+            y = (x * x).sum()
+        (g,) = torch.autograd.grad(y, x, create_graph=True)
+        g.sum().backward()
+        return g.detach()
+
+    result = compare(step, backend, tensors=[x], steps=2)
+    result.assert_ok()
+    assert result.stats["eager_fallbacks"] == 0
+    assert result.stats["graph_breaks"] >= 1
 
 
 def _checkpointed_step(use_reentrant: bool) -> tuple[object, list[torch.Tensor]]:
@@ -229,6 +299,34 @@ def test_non_reentrant_checkpoint(backend: str) -> None:
     result = compare(step, backend, tensors=tensors, steps=3)
     result.assert_ok()
     assert result.stats["eager_fallbacks"] == 0
+    # The region's unpacks in one call behind one break, its nodes traced.
+    assert result.stats["graph_breaks"] == result.stats["captures"]
+
+
+@pytest.mark.parametrize("block", ["mlp", "transformer"])
+def test_non_reentrant_checkpoint_breaks_once_per_region(backend: str, block: str) -> None:
+    torch.manual_seed(0)
+    if block == "mlp":
+        blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8)) for _ in range(3)
+        )
+        x = torch.randn(4, 8)
+    else:
+        blocks = torch.nn.ModuleList(
+            [torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True) for _ in range(2)]
+        )
+        x = torch.randn(2, 5, 16)
+
+    def step() -> None:
+        h = x
+        for b in blocks:
+            h = torch.utils.checkpoint.checkpoint(b, h, use_reentrant=False)
+        h.pow(2).mean().backward()
+
+    result = compare(step, backend, tensors=blocks, steps=3, atol=1e-5)
+    result.assert_ok()
+    assert result.stats["eager_fallbacks"] == 0
+    assert result.stats["graph_breaks"] == len(blocks) * result.stats["captures"]
 
 
 def test_reentrant_checkpoint_breaks_with_a_warning(backend: str) -> None:

@@ -35,16 +35,19 @@ later node still sees the value before this backward: a known difference.
 from __future__ import annotations
 
 import operator
+import types
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import ca_core
 import torch
 import torch.fx
+import torch.utils.checkpoint
 
 from ca_runtime import _graph_ops as ops
 from ca_runtime._aot import NotCopyable, copy_aot_backward
-from ca_runtime._node_rules import HOOK_RULES, Handling, rule_for
+from ca_runtime._node_rules import HOOK_RULES, Handling, dynamo_skips, rule_for
 
 __all__ = ["Capture", "GraphBreak", "UnsupportedNode", "build_graph_module"]
 
@@ -89,6 +92,8 @@ _EFFECTFUL = frozenset(
         ops.call_post_hook,
         ops.call_pre_hook,
         ops.call_tensor_hook,
+        ops.call_unpack_hook,
+        ops.call_unpack_hooks_eager,
     }
 )
 
@@ -164,6 +169,13 @@ def build_graph_module(graph: ca_core.BackwardGraph) -> Capture:
         for input_nr, output_idx in node.graph_output:
             grad_outputs[output_idx] = buffer[input_nr]
 
+    handlings = {
+        n.index: _handling_of(n, graph.create_graph)
+        for n in nodes
+        if n.needed and not n.is_accumulate_grad
+    }
+    unpacker = _Unpacker(fx, hook_at, graph_break, nodes, handlings)
+
     for node in nodes:
         buffer = buffers.pop(node.index, None) or [None] * node.num_inputs
         # Eager captures torch.autograd.grad outputs before the tensor
@@ -210,11 +222,7 @@ def build_graph_module(graph: ca_core.BackwardGraph) -> Capture:
                 fx.call_function(ops.call_pre_hook, (hook_at(pre_hook), list(buffer))),
                 node.num_inputs,
             )
-        handling, reason = rule.handling, rule.reason
-        if handling is Handling.PROBE:
-            handling = Handling.TRACE if ca_core.probe_traceable(node.index) else Handling.BREAK
-        if handling in (Handling.FUNCTION, Handling.AOT) and node.function is None:
-            handling = Handling.BREAK
+        handling, reason = handlings[node.index]
         if handling is Handling.AOT:
             try:
                 outputs = _copy_aot_backward(
@@ -227,6 +235,8 @@ def build_graph_module(graph: ca_core.BackwardGraph) -> Capture:
             outputs = _call_function(fx, node, buffer, lifted, hook_at, size_at)
         elif handling is not Handling.AOT:
             saved = [lifted[slot] for slot in node.tensor_slots]
+            if handling is Handling.TRACE:
+                saved += unpacker.unpacked(node)
             saved_scalars = lifted_scalars[
                 node.scalar_offset : node.scalar_offset + node.num_scalars
             ]
@@ -268,6 +278,101 @@ def build_graph_module(graph: ca_core.BackwardGraph) -> Capture:
     fx.eliminate_dead_code(is_impure_node=_is_impure)
     capture.graph_module = torch.fx.GraphModule(root, fx, "CompiledBackward")
     return capture
+
+
+def _handling_of(node: ca_core.NodeInfo, create_graph: bool) -> tuple[Handling, str]:
+    """How the capture takes a node that runs: its rule, with the probes and exceptions applied."""
+    rule = rule_for(node)
+    handling, reason = rule.handling, rule.reason
+    if handling is Handling.PROBE:
+        handling = Handling.TRACE if ca_core.probe_traceable(node.index) else Handling.BREAK
+    if handling in (Handling.FUNCTION, Handling.AOT) and node.function is None:
+        handling = Handling.BREAK
+        if node.num_saved_tensor_hooks:
+            reason = "a Python Function whose saved tensors have unpack hooks runs eagerly"
+    if handling is Handling.TRACE and node.unpack_hooks and create_graph:
+        # A swapped-in unpacked tensor would lose the grad_fn eager's unpack gives it.
+        handling = Handling.BREAK
+        reason = "create_graph=True: its saved tensors' unpack hooks run with the node, eagerly"
+    return handling, reason
+
+
+class _Unpacker:
+    """Emits the unpack hooks of traced nodes' saved tensors; see [Note: Unpack hooks in the graph] in ca_core.
+
+    A hook Dynamo inlines is called where eager calls it, just before its
+    node. Hooks Dynamo would skip are called behind a graph break of ours,
+    grouped: all unpacks of one non-reentrant checkpoint region in one call
+    at its first unpack (that unpack recomputes the whole region and the
+    others only hand out what it saved), any other node's in one call per node.
+    """
+
+    def __init__(
+        self,
+        fx: torch.fx.Graph,
+        hook_at: Any,
+        graph_break: Any,
+        nodes: Sequence[ca_core.NodeInfo],
+        handlings: dict[int, tuple[Handling, str]],
+    ) -> None:
+        self._fx = fx
+        self._hook_at = hook_at
+        self._graph_break = graph_break
+        #: Per skipped hook (hook index, packed index): its group key.
+        self._group_of: dict[tuple[int, int], object] = {}
+        #: Per group: its members in eager's unpack order.
+        self._members: dict[object, list[tuple[int, int]]] = {}
+        #: Per group already called: the graph value of its unpacked list.
+        self._called: dict[object, torch.fx.Node] = {}
+        for node in nodes:
+            if handlings.get(node.index, (None,))[0] is not Handling.TRACE:
+                continue
+            for pair, hook in zip(node.unpack_hooks, node.unpack_hook_fns):
+                if dynamo_skips(hook):
+                    frame = checkpoint_frame(hook)
+                    group = ("node", node.index) if frame is None else ("checkpoint", id(frame))
+                    self._group_of[pair] = group
+                    self._members.setdefault(group, []).append(pair)
+
+    def unpacked(self, node: ca_core.NodeInfo) -> list[Any]:
+        """Graph values of ``node``'s unpacked saved tensors, in packed-input order."""
+        values: list[Any] = []
+        for pair in node.unpack_hooks:
+            group = self._group_of.get(pair)
+            if group is None:
+                hook, packed = (self._hook_at(i) for i in pair)
+                values.append(self._fx.call_function(ops.call_unpack_hook, (hook, packed)))
+                continue
+            members = self._members[group]
+            if group not in self._called:
+                what = "a checkpoint region's" if group[0] == "checkpoint" else "its"
+                self._graph_break(node, f"{what} saved tensors' unpack hooks are skipped by Dynamo")
+                self._called[group] = self._fx.call_function(
+                    ops.call_unpack_hooks_eager,
+                    ([self._hook_at(h) for h, _ in members], [self._hook_at(d) for _, d in members]),
+                )
+            values.append(
+                self._fx.call_function(operator.getitem, (self._called[group], members.index(pair)))
+            )
+        return values
+
+
+def checkpoint_frame(hook: object) -> object | None:
+    """The region (``_CheckpointFrame``) of non-reentrant checkpoint's unpack hook, else None."""
+    code = getattr(hook, "__code__", None)
+    if code not in _CHECKPOINT_UNPACK_CODES:
+        return None
+    cells = dict(zip(code.co_freevars, hook.__closure__ or ()))  # type: ignore[attr-defined]
+    frame = cells.get("frame")
+    return None if frame is None else frame.cell_contents
+
+
+#: Code of torch.utils.checkpoint's unpack hooks (plain and with a debug callback).
+_CHECKPOINT_UNPACK_CODES = frozenset(
+    c
+    for c in torch.utils.checkpoint._checkpoint_hook.__init__.__code__.co_consts
+    if isinstance(c, types.CodeType) and c.co_name.startswith("unpack_hook")
+)
 
 
 def _call_function(

@@ -47,6 +47,8 @@ __all__ = [
     "call_post_hook",
     "call_pre_hook",
     "call_tensor_hook",
+    "call_unpack_hook",
+    "call_unpack_hooks_eager",
     "materialize_grad",
     "unwrap_size",
     "validate_outputs",
@@ -184,3 +186,14 @@ def call_opaque_tensor_pre_hook(
 def accumulate_grad_now(node_idx: int, grad: torch.Tensor | None) -> None:
     """Runs AccumulateGrad node ``node_idx`` (and its post hooks) now, behind a graph break."""
     ca_core.accumulate_grad_now(node_idx, grad)
+
+
+def call_unpack_hook(hook: Callable[[Any], torch.Tensor], packed: Any) -> torch.Tensor:
+    """A saved tensor's unpack hook on its packed data; see [Note: Unpack hooks in the graph] in ca_core."""
+    return hook(packed)
+
+
+@torch._dynamo.disable
+def call_unpack_hooks_eager(hooks: Sequence[Callable[[Any], torch.Tensor]], packed: Sequence[Any]) -> list[torch.Tensor]:
+    """Unpack hooks Dynamo would skip, in eager's order, behind one graph break."""
+    return [hook(data) for hook, data in zip(hooks, packed)]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 import fnmatch
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -19,7 +20,7 @@ import ca_core
 
 from ca_runtime._aot import is_aot_backward
 
-__all__ = ["HOOK_RULES", "Handling", "HookRule", "NODE_RULES", "NodeRule", "rule_for"]
+__all__ = ["HOOK_RULES", "Handling", "HookRule", "NODE_RULES", "NodeRule", "dynamo_skips", "rule_for"]
 
 
 class Handling(enum.Enum):
@@ -55,17 +56,7 @@ class NodeRule:
     condition: Callable[[ca_core.NodeInfo], bool] | None = None
 
 
-def _has_saved_tensor_hooks(node: ca_core.NodeInfo) -> bool:
-    return node.num_saved_tensor_hooks > 0
-
-
 NODE_RULES: tuple[NodeRule, ...] = (
-    NodeRule(
-        "*",
-        Handling.BREAK,
-        "its saved tensors have unpack hooks (saved_tensors_hooks), which run eagerly",
-        condition=_has_saved_tensor_hooks,
-    ),
     NodeRule(
         "torch::autograd::PyNode",
         Handling.BREAK,
@@ -115,3 +106,25 @@ HOOK_RULES: dict[str, HookRule] = {
     "retains_grad": HookRule(Handling.BREAK, "retain_grad() sets .grad eagerly"),
     "opaque": HookRule(Handling.BREAK, "a C++ tensor hook without compiled_args runs eagerly"),
 }
+
+
+def dynamo_skips(hook: object) -> bool:
+    """Whether Dynamo would skip (not inline) a call of ``hook``, e.g. checkpoint's unpack hook.
+
+    Such a hook is called behind a graph break of ours instead of splitting
+    the graph wherever Dynamo meets it; see [Note: Unpack hooks in the graph]
+    in ca_core.
+    """
+    from torch._dynamo import trace_rules
+    from torch._dynamo.variables import SkipFunctionVariable
+
+    target: object = hook
+    if isinstance(hook, types.MethodType):
+        target = hook.__func__
+    elif not isinstance(hook, (types.FunctionType, types.BuiltinFunctionType)):
+        target = getattr(type(hook), "__call__", hook)  # a callable object: Dynamo inlines __call__
+    try:
+        rule = trace_rules.lookup(target)
+    except Exception:  # a callable Dynamo cannot classify is not inlined either
+        return True
+    return isinstance(rule, type) and issubclass(rule, SkipFunctionVariable)
