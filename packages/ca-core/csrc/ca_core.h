@@ -239,6 +239,12 @@ struct ScopedSlot {
 /// The ca_runtime object while the engine hook is installed (borrowed), else null.
 PyObject* installed_runtime();
 
+/// Runs a leaf's real AccumulateGrad node as eager's call_function does: its
+/// grad_fn pre-hooks, the node (on a copy of the inputs when it has post
+/// hooks, as the engine copies them), then its post hooks (e.g. the C++ DDP
+/// Reducer's). Its tensor pre-hooks ran in the graph. See [Note: Leaf node hooks].
+void run_leaf_node(Node& fn, at::Tensor grad);
+
 /// Installs ca_core's PyCompilerInterface for a scope, so that nodes'
 /// apply_with_saved run their functional backward on the values given.
 /// torch has one process-wide slot that refuses a second install, so scopes

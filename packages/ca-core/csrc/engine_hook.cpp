@@ -29,6 +29,26 @@ runtime, torch's built-in compiled autograd, or eager) and restores exactly
 that on exit, re-arming torch's hook through its own Python API if needed.
 The runtime object is a strong reference held here while installed.
 
+[Note: Final callbacks]
+Engine::execute holds a GraphTaskGuard on the backward's GraphTask while it
+calls our hook, so Engine::queue_callback (DDP's and FSDP's end-of-backward
+work, or a user's Variable._execution_engine.queue_callback from a hook)
+appends to graph_task.final_callbacks_ during the compiled backward. The
+eager engine runs them in exec_post_processing, which the compiled path never
+reaches, so the hook runs them itself after the leaf grads are accumulated:
+in order, including callbacks queued by callbacks, the lock released around
+each call. The eager fallback (execute_with_graph_task) runs them itself and
+must not run them twice.
+
+[Note: Leaf node hooks]
+grad_fn pre/post hooks on an AccumulateGrad node (a Python
+grad_acc.register_hook, the C++ DDP Reducer's autograd_hook, whose
+compiled_args refuses compiled autograd) are not traced: the walk keys on
+their number and C++ types only, and run_leaf_node calls them around the real
+node, after the graph, as eager's call_function would. A leaf whose hooks must
+run before later user code is accumulated inside the graph instead, behind a
+graph break (see [Note: Leaf accumulation order] in ca_runtime).
+
 [Note: Eager fallback]
 A backward that cannot be compiled runs on the eager engine from inside the
 hook: execute_with_graph_task on the same GraphTask, which the walk left
@@ -290,9 +310,21 @@ void accumulate_leaf_grads(
   for (size_t k = 0; k < leaf_outputs.size(); ++k) {
     NodeState& ns = state.nodes.at(leaf_outputs[k]);
     TORCH_INTERNAL_ASSERT(ns.is_accumulate_grad);
-    variable_list inputs;
-    inputs.emplace_back(std::move(leaf_grads[k]));
-    (*ns.call.node)(std::move(inputs));
+    run_leaf_node(*ns.call.node, std::move(leaf_grads[k]));
+  }
+}
+
+/// Runs the callbacks queued with Engine::queue_callback during the compiled
+/// backward, as GraphTask::exec_post_processing (not exported) does; see
+/// [Note: Final callbacks].
+void run_final_callbacks(GraphTask& task) {
+  std::unique_lock<std::mutex> lock(task.final_callbacks_lock_);
+  // Index loop: a callback may queue another, which runs in this loop too.
+  for (size_t i = 0; i < task.final_callbacks_.size(); ++i) {
+    std::function<void()> callback = task.final_callbacks_[i];
+    lock.unlock();
+    callback();
+    lock.lock();
   }
 }
 
@@ -452,14 +484,20 @@ variable_list compiled_backward_with_gil(
       }
     }
   }
-  accumulate_leaf_grads(*state, leaf_outputs, leaf_grads);
-
-  if (!state->keep_graph) {
-    for (auto& ns : state->nodes) {
-      if (ns.call.needed) {
-        ns.call.node->release_variables();
+  {
+    // Eager runs leaf nodes, their hooks and the final callbacks without the
+    // GIL: a callback (DDP's finalize_backward) may wait for a thread that
+    // needs it. See [Note: Final callbacks].
+    GilRelease no_gil;
+    accumulate_leaf_grads(*state, leaf_outputs, leaf_grads);
+    if (!state->keep_graph) {
+      for (auto& ns : state->nodes) {
+        if (ns.call.needed) {
+          ns.call.node->release_variables();
+        }
       }
     }
+    run_final_callbacks(const_cast<GraphTask&>(graph_task));
   }
   return outputs;
 }
@@ -485,6 +523,23 @@ variable_list compiled_backward(
 }
 
 } // namespace
+
+void run_leaf_node(Node& fn, at::Tensor grad) {
+  variable_list inputs;
+  inputs.emplace_back(std::move(grad));
+  for (const auto& hook : fn.pre_hooks()) {
+    inputs = (*hook)(inputs);
+  }
+  if (fn.post_hooks().empty()) {
+    fn(std::move(inputs));
+    return;
+  }
+  // The node may steal its input grad: the post hooks see the engine's copy.
+  variable_list outputs = fn(variable_list(inputs));
+  for (const auto& hook : fn.post_hooks()) {
+    outputs = (*hook)(outputs, inputs);
+  }
+}
 
 PyObject* installed_runtime() {
   return g_runtime;

@@ -305,11 +305,23 @@ void collect_node_call(CompiledNodeArgs& args, NodeState& ns, Node* fn) {
     hook->compiled_args(args);
     record_new(py, cpp, true);
   }
-  for (const auto& hook : fn->pre_hooks()) {
-    hook->compiled_args(args);
-  }
-  for (const auto& hook : fn->post_hooks()) {
-    hook->compiled_args(args);
+  if (ns.is_accumulate_grad) {
+    // Run around the real node, never traced; see [Note: Leaf node hooks].
+    auto collect_types = [&](const auto& hooks) {
+      args.collect_size(hooks.size());
+      for (const auto& hook : hooks) {
+        args.collect(std::string(typeid(*hook).name()));
+      }
+    };
+    collect_types(fn->pre_hooks());
+    collect_types(fn->post_hooks());
+  } else {
+    for (const auto& hook : fn->pre_hooks()) {
+      hook->compiled_args(args);
+    }
+    for (const auto& hook : fn->post_hooks()) {
+      hook->compiled_args(args);
+    }
   }
   args.collect_size(ns.tensor_pre_hooks.size());
   for (const auto& h : ns.tensor_pre_hooks) {

@@ -637,9 +637,7 @@ void accumulate_grad_now(uint32_t node_idx, const at::Tensor& grad) {
          ns.call.node->name() + ") is not an AccumulateGrad node")
             .c_str());
   }
-  variable_list inputs;
-  inputs.push_back(grad);
-  (*ns.call.node)(std::move(inputs));
+  run_leaf_node(*ns.call.node, grad);
 }
 
 /// The FunctionInfo of a PyNode the graph can call directly, or nullopt.
@@ -770,8 +768,9 @@ nb::object describe_backward(const BackwardState& state) {
     for (const auto& [kind, count] :
          {std::pair{"tensor_pre", call.tensor_pre_hooks.size()},
           std::pair{"cpp_tensor_pre", call.cpp_tensor_pre_hooks.size()},
-          std::pair{"pre", call.pre_hooks.size()},
-          std::pair{"post", call.post_hooks.size()},
+          // A leaf's grad_fn hooks are not collected; see [Note: Leaf node hooks].
+          std::pair{"pre", ns.is_accumulate_grad ? ns.call.node->pre_hooks().size() : call.pre_hooks.size()},
+          std::pair{"post", ns.is_accumulate_grad ? ns.call.node->post_hooks().size() : call.post_hooks.size()},
           std::pair{"post_acc_grad", call.post_acc_grad_hooks.size()},
           std::pair{
               "saved_tensor",

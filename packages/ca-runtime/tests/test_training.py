@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ca_runtime
 import pytest
 import torch
 from ca_testkit import compare
@@ -193,3 +194,73 @@ def test_maml_inner_loop(backend: str) -> None:
     result = compare(step, backend, tensors=[w], steps=3)
     result.assert_ok()
     _assert_captured(result.stats, captures=3)
+
+
+# --- engine callbacks and leaf node hooks (see [Note: Final callbacks], [Note: Leaf node hooks]) ---
+
+
+def _callback_step(x: torch.Tensor, log: list[str]):
+    from torch.autograd import Variable
+
+    def step() -> list[str]:
+        log.clear()
+        y = x * 2
+
+        def hook(grad: torch.Tensor) -> torch.Tensor:
+            log.append("hook")
+
+            def first() -> None:
+                log.append("first")
+                Variable._execution_engine.queue_callback(lambda: log.append("queued by first"))
+
+            Variable._execution_engine.queue_callback(first)
+            Variable._execution_engine.queue_callback(lambda: log.append(f"second sees grad={x.grad is not None}"))
+            return grad
+
+        y.register_hook(hook)
+        y.sum().backward()
+        log.append("after backward")
+        return list(log)
+
+    return step
+
+
+def test_queued_callbacks_run_at_the_end_in_order(backend: str) -> None:
+    x = torch.randn(3, requires_grad=True)
+    log: list[str] = []
+    result = compare(_callback_step(x, log), backend, tensors=[x], steps=2)
+    result.assert_ok()
+    assert log == ["hook", "first", "second sees grad=True", "queued by first", "after backward"]
+    _assert_captured(result.stats)
+
+
+def test_queued_callbacks_run_once_on_an_eager_fallback() -> None:
+    x = torch.randn(3, requires_grad=True)
+    log: list[str] = []
+
+    def failing_compiler(gm: torch.fx.GraphModule):
+        raise RuntimeError("no compiler today")
+
+    with pytest.warns(ca_runtime.EagerFallbackWarning):
+        result = compare(_callback_step(x, log), failing_compiler, tensors=[x], steps=2)
+    result.assert_ok()
+    assert log.count("first") == 1 and log.count("queued by first") == 1, log
+    assert result.stats["eager_fallbacks"] == 2
+
+
+def test_grad_accumulator_hooks_run_as_in_eager(backend: str) -> None:
+    w = torch.randn(3, requires_grad=True)
+    calls: list[str] = []
+    accumulator = (w * 1).grad_fn.next_functions[0][0]
+    accumulator.register_prehook(lambda grads: calls.append(f"pre {grads[0].sum().item():.3f}"))
+    accumulator.register_hook(lambda outs, ins: calls.append(f"post grad={w.grad is not None}"))
+
+    def step() -> list[str]:
+        calls.clear()
+        (w * w).sum().backward()
+        return list(calls)
+
+    result = compare(step, backend, tensors=[w], steps=2)
+    result.assert_ok()
+    assert len(calls) == 2 and calls[1] == "post grad=True", calls
+    _assert_captured(result.stats)

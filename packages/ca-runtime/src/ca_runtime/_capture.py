@@ -111,6 +111,11 @@ def _has_effects(node: ca_core.NodeInfo) -> bool:
     return rule_for(node).handling is not Handling.TRACE
 
 
+def _runs_leaf_hooks(node: ca_core.NodeInfo) -> bool:
+    """Whether accumulating leaf ``node`` calls user code (see [Note: Leaf node hooks] in ca_core)."""
+    return any(node.hooks.get(kind) for kind in ("pre", "post", "post_acc_grad"))
+
+
 def build_graph_module(graph: ca_core.BackwardGraph) -> Capture:
     """The FX graph of one backward; raises UnsupportedNode for a node it cannot take."""
     fx = torch.fx.Graph()
@@ -207,8 +212,8 @@ def build_graph_module(graph: ca_core.BackwardGraph) -> Capture:
             continue
         rule = rule_for(node)
         if rule.handling is Handling.ACCUMULATE:
-            if node.hooks.get("post_acc_grad") and node.index < last_effect:
-                graph_break(node, "a post-accumulate-grad hook must run before later hooks")
+            if _runs_leaf_hooks(node) and node.index < last_effect:
+                graph_break(node, "a leaf's hooks must run before later hooks")
                 fx.call_function(ops.accumulate_grad_now, (node.index, buffer[0]))
             else:
                 capture.leaf_outputs.append(node.index)

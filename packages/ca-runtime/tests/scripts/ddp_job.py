@@ -1,0 +1,77 @@
+"""A 2-rank gloo DDP job compared with eager DDP on every rank (ca_testkit.compare).
+
+Usage: python ddp_job.py CASE BACKEND [STEPS]. CASE is one of CASES. Prints
+one JSON line per rank ({"rank", "ok", "stats", "report"}) and exits non-zero
+if any rank's grads differ from eager. Run in a fresh interpreter: ranks are
+spawned processes and the job must exit cleanly (see test_distributed.py).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+from ca_testkit import compare
+from ca_testkit.distributed import run_ranks
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+class Branchy(torch.nn.Module):
+    """A model with a parameter the forward never uses (find_unused_parameters)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(8, 16)
+        self.b = torch.nn.Linear(16, 4)
+        self.unused = torch.nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
+def _mlp() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+
+#: case -> (model factory, DDP keyword arguments, optimize_ddp mode, steps under no_sync())
+CASES = {
+    "cpp_reducer": (_mlp, {}, None, False),
+    "no_sync": (_mlp, {}, None, True),
+    "find_unused": (Branchy, {"find_unused_parameters": True}, None, False),
+    "python_reducer": (_mlp, {}, "python_reducer", False),
+}
+
+
+def ddp_case(rank: int, world_size: int, case: str, backend: str, steps: int) -> dict:
+    make, kwargs, optimize_ddp, use_no_sync = CASES[case]
+    if optimize_ddp is not None:
+        torch._dynamo.config.optimize_ddp = optimize_ddp  # read when DDP wraps the model
+    torch.manual_seed(0)
+    model = DDP(make(), **kwargs)
+
+    def step(i: int) -> torch.Tensor:
+        torch.manual_seed(100 + 10 * rank + i)  # each rank its own data
+        x = torch.randn(5, 8)
+        if use_no_sync and i % 2 == 0:
+            with model.no_sync():
+                loss = model(x).pow(2).sum()
+                loss.backward()
+        else:
+            loss = model(x).pow(2).sum()
+            loss.backward()
+        return loss.detach()
+
+    result = compare(step, backend, tensors=model.module, steps=steps)
+    return {"rank": rank, "ok": result.ok, "stats": dict(result.stats), "report": result.report()}
+
+
+def main(case: str, backend: str, steps: int) -> int:
+    results = run_ranks(ddp_case, case, backend, steps, world_size=2, timeout=300)
+    for r in results:
+        print(json.dumps(r))
+    return 0 if all(r["ok"] for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1], sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 4))
