@@ -1,4 +1,4 @@
-"""DDP on 2 gloo CPU processes under compiled autograd, against eager DDP on every rank.
+"""DDP and FSDP2 on 2 gloo CPU processes under compiled autograd, against eager on every rank.
 
 Each case runs scripts/ddp_job.py in a fresh interpreter with a hard timeout;
 the ranks compare their grads with eager DDP (ca_testkit.compare) and report
@@ -25,8 +25,14 @@ def _run_job(case: str, backend: str, steps: int = 4, timeout: float = 300) -> s
     )
 
 
-@pytest.mark.parametrize("case", ["cpp_reducer", "no_sync", "find_unused", "python_reducer"])
-def test_ddp_grads_equal_eager_ddp_and_backward_is_captured(case: str) -> None:
+#: case -> graph breaks per captured graph. FSDP2's post-backward reads the
+#: unsharded parameters' .grad, so the two leaves before it are accumulated
+#: at their eager position (see [Note: Leaf accumulation order]).
+_BREAKS = {"cpp_reducer": 0, "no_sync": 0, "find_unused": 0, "python_reducer": 0, "fsdp2": 2}
+
+
+@pytest.mark.parametrize("case", list(_BREAKS))
+def test_grads_equal_eager_on_every_rank_and_backward_is_captured(case: str) -> None:
     proc = _run_job(case, "aot_eager")
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
     ranks = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
@@ -37,7 +43,7 @@ def test_ddp_grads_equal_eager_ddp_and_backward_is_captured(case: str) -> None:
         # graph and its finalize callback at the end: no whole-backward fallback.
         assert r["stats"]["captures"] >= 1, r["stats"]
         assert r["stats"]["eager_fallbacks"] == 0, r["stats"]
-        assert r["stats"]["graph_breaks"] == 0, r["stats"]
+        assert r["stats"]["graph_breaks"] == _BREAKS[case] * r["stats"]["captures"], r["stats"]
 
 
 def test_ddp_job_exits_cleanly_every_time() -> None:

@@ -28,8 +28,10 @@ post-accumulate-grad hooks, for free). That moves a leaf's accumulation after
 every hook of the graph. Where a post-accumulate-grad hook would then run
 after a hook or Function backward that eager runs after it, the leaf is
 accumulated inside the graph instead, at its eager position, behind a graph
-break (``accumulate_grad_now``). Reading a leaf's ``.grad`` from a hook of a
-later node still sees the value before this backward: a known difference.
+break (``accumulate_grad_now``). So is every leaf before a node whose rule
+says it reads leaf grads (``NodeRule.reads_leaf_grads``: FSDP2's
+post-backward). Reading a leaf's ``.grad`` from any other hook of a later
+node still sees the value before this backward: a known difference.
 """
 
 from __future__ import annotations
@@ -160,6 +162,10 @@ def build_graph_module(graph: ca_core.BackwardGraph) -> Capture:
     nodes = graph.nodes
     # See [Note: Leaf accumulation order].
     last_effect = max((n.index for n in nodes if _has_effects(n)), default=-1)
+    last_reader = max(
+        (n.index for n in nodes if n.needed and not n.is_accumulate_grad and rule_for(n).reads_leaf_grads),
+        default=-1,
+    )
     buffers: dict[int, list[Any]] = {}
     grad_outputs: list[Any] = [None] * graph.num_outputs
     leaf_grads: list[Any] = []
@@ -212,7 +218,10 @@ def build_graph_module(graph: ca_core.BackwardGraph) -> Capture:
             continue
         rule = rule_for(node)
         if rule.handling is Handling.ACCUMULATE:
-            if _runs_leaf_hooks(node) and node.index < last_effect:
+            if node.index < last_reader:
+                graph_break(node, f"{nodes[last_reader].name} reads this leaf's .grad later")
+                fx.call_function(ops.accumulate_grad_now, (node.index, buffer[0]))
+            elif _runs_leaf_hooks(node) and node.index < last_effect:
                 graph_break(node, "a leaf's hooks must run before later hooks")
                 fx.call_function(ops.accumulate_grad_now, (node.index, buffer[0]))
             else:

@@ -54,6 +54,10 @@ class NodeRule:
     name: str = "*"
     #: Extra condition on the node; None matches every node.
     condition: Callable[[ca_core.NodeInfo], bool] | None = None
+    #: Its backward reads leaf ``.grad`` fields this backward wrote: the
+    #: leaves before it are accumulated at their eager position; see
+    #: [Note: Leaf accumulation order].
+    reads_leaf_grads: bool = False
 
 
 NODE_RULES: tuple[NodeRule, ...] = (
@@ -64,6 +68,13 @@ NODE_RULES: tuple[NodeRule, ...] = (
         name="CheckpointFunctionBackward",
     ),
     NodeRule("torch::autograd::PyNode", Handling.AOT, condition=is_aot_backward),
+    # FSDP2's post-backward reduce-scatters the unsharded parameters' .grad.
+    NodeRule(
+        "torch::autograd::PyNode",
+        Handling.FUNCTION,
+        name="RegisterPostBackwardFunctionBackward",
+        reads_leaf_grads=True,
+    ),
     NodeRule("torch::autograd::PyNode", Handling.FUNCTION),
     NodeRule(
         "torch::autograd::CppNode<*>",

@@ -1,4 +1,4 @@
-"""A 2-rank gloo DDP job compared with eager DDP on every rank (ca_testkit.compare).
+"""A 2-rank gloo DDP or FSDP2 job compared with eager on every rank (ca_testkit.compare).
 
 Usage: python ddp_job.py CASE BACKEND [STEPS]. CASE is one of CASES. Prints
 one JSON line per rank ({"rank", "ok", "stats", "report"}) and exits non-zero
@@ -34,21 +34,32 @@ def _mlp() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
 
 
-#: case -> (model factory, DDP keyword arguments, optimize_ddp mode, steps under no_sync())
+def _fully_shard(model: torch.nn.Module) -> torch.nn.Module:
+    """FSDP2: each Linear its own group, then the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer)
+    return fully_shard(model)
+
+
+#: case -> (model factory, wrapper, optimize_ddp mode, even steps under no_sync())
 CASES = {
-    "cpp_reducer": (_mlp, {}, None, False),
-    "no_sync": (_mlp, {}, None, True),
-    "find_unused": (Branchy, {"find_unused_parameters": True}, None, False),
-    "python_reducer": (_mlp, {}, "python_reducer", False),
+    "cpp_reducer": (_mlp, DDP, None, False),
+    "no_sync": (_mlp, DDP, None, True),
+    "find_unused": (Branchy, lambda m: DDP(m, find_unused_parameters=True), None, False),
+    "python_reducer": (_mlp, DDP, "python_reducer", False),
+    "fsdp2": (_mlp, _fully_shard, None, False),
 }
 
 
 def ddp_case(rank: int, world_size: int, case: str, backend: str, steps: int) -> dict:
-    make, kwargs, optimize_ddp, use_no_sync = CASES[case]
+    make, wrap, optimize_ddp, use_no_sync = CASES[case]
     if optimize_ddp is not None:
         torch._dynamo.config.optimize_ddp = optimize_ddp  # read when DDP wraps the model
     torch.manual_seed(0)
-    model = DDP(make(), **kwargs)
+    model = wrap(make())
 
     def step(i: int) -> torch.Tensor:
         torch.manual_seed(100 + 10 * rank + i)  # each rank its own data
@@ -62,7 +73,7 @@ def ddp_case(rank: int, world_size: int, case: str, backend: str, steps: int) ->
             loss.backward()
         return loss.detach()
 
-    result = compare(step, backend, tensors=model.module, steps=steps)
+    result = compare(step, backend, tensors=getattr(model, "module", model), steps=steps)
     return {"rank": rank, "ok": result.ok, "stats": dict(result.stats), "report": result.report()}
 
 

@@ -99,7 +99,11 @@ def _as_step(step: Callable[..., Any]) -> Callable[[int], Any]:
 
 
 def _snapshot(value: Any) -> Any:
-    return value.detach().clone() if isinstance(value, torch.Tensor) else value
+    if not isinstance(value, torch.Tensor):
+        return value
+    if hasattr(value, "full_tensor"):  # a sharded DTensor (FSDP2): compare the whole tensor
+        value = value.full_tensor()
+    return value.detach().clone()
 
 
 def _run(step: Callable[[int], Any], steps: int, named: Mapping[str, torch.Tensor]) -> list[dict[str, Any]]:
