@@ -12,8 +12,7 @@ import json
 import sys
 
 import torch
-from ca_testkit import compare
-from ca_testkit.distributed import run_ranks
+from ca_testkit import compare, run_ranks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 
