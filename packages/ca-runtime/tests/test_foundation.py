@@ -334,3 +334,28 @@ def test_node_that_cannot_be_walked_falls_back_naming_it(backend: str) -> None:
     fallbacks = [str(w.message) for w in caught if issubclass(w.category, ca_runtime.EagerFallbackWarning)]
     assert len(fallbacks) == 1 and "ToPaddedTensorBackward0" in fallbacks[0] and "NestedTensor" in fallbacks[0]
     assert result.stats["eager_fallbacks"] == 3
+
+
+def test_hook_and_cache_are_released_at_exit() -> None:
+    """See [Note: Releasing at exit]: nothing of ours is left for interpreter finalisation."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(
+        """
+        import atexit, ca_core
+        # Registered before ca_runtime's handler, so it runs after it.
+        atexit.register(lambda: print("at exit:", ca_core.installed_runtime() is None, len(ca_core.cache_entries())))
+        import ca_runtime, torch
+        x = torch.randn(3, requires_grad=True)
+        context = ca_runtime.enable("eager")
+        context.__enter__()  # left installed on purpose
+        (x * x).sum().backward()
+        print("before exit:", ca_core.installed_runtime() is None, len(ca_core.cache_entries()))
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "before exit: False 1" in proc.stdout, proc.stdout
+    assert "at exit: True 0" in proc.stdout, proc.stdout

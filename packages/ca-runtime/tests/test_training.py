@@ -264,3 +264,37 @@ def test_grad_accumulator_hooks_run_as_in_eager(backend: str) -> None:
     result.assert_ok()
     assert len(calls) == 2 and calls[1] == "post grad=True", calls
     _assert_captured(result.stats)
+
+
+def test_compiled_region_called_twice_in_one_step(backend: str) -> None:
+    """One compiled submodule applied twice (weight sharing): its backward is copied twice."""
+    torch.manual_seed(6)
+    shared = torch.nn.Linear(6, 6)
+    region = torch.compile(shared, backend="aot_eager")
+    x = torch.randn(4, 6)
+
+    def step() -> None:
+        region(torch.tanh(region(x))).sum().backward()
+
+    result = compare(step, backend, tensors=shared, steps=2)
+    result.assert_ok()
+    _assert_captured(result.stats)
+
+
+def test_post_accumulate_grad_hook_before_a_compiled_region_needs_no_break(backend: str) -> None:
+    """A copied AOT backward calls no user code, so leaves before it stay graph outputs."""
+    torch.manual_seed(7)
+    head = torch.nn.Linear(6, 3)
+    body = torch.compile(torch.nn.Linear(6, 6), backend="aot_eager")
+    seen: list[bool] = []
+    for p in head.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad is not None))
+    x = torch.randn(4, 6)
+
+    def step() -> None:
+        head(body(x)).sum().backward()
+
+    result = compare(step, backend, tensors=[*head.parameters(), *body.parameters()], steps=2)
+    result.assert_ok()
+    assert seen and all(seen)
+    _assert_captured(result.stats)

@@ -105,12 +105,15 @@ def _is_impure(node: torch.fx.Node) -> bool:
 
 
 def _has_effects(node: ca_core.NodeInfo) -> bool:
-    """Whether the graph calls user code for ``node`` (hooks, a Function, a break)."""
+    """Whether the graph calls user code for ``node`` (hooks, unpack hooks, a Function, a break).
+
+    A torch.compile'd region's copied backward (AOT) calls none.
+    """
     if node.tensor_pre_hooks or node.pre_hooks or node.post_hooks:
         return True
     if not node.needed or node.is_accumulate_grad:
         return False
-    return rule_for(node).handling is not Handling.TRACE
+    return bool(node.unpack_hooks) or rule_for(node).handling not in (Handling.TRACE, Handling.AOT)
 
 
 def _runs_leaf_hooks(node: ca_core.NodeInfo) -> bool:

@@ -12,6 +12,7 @@ torch's own compiler object.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator
@@ -117,6 +118,21 @@ def reset() -> None:
     ca_core.clear_cache()
     ca_core.reset_counters()
     reset_graph_breaks()
+
+
+@atexit.register
+def _release_at_exit() -> None:
+    """[Note: Releasing at exit]
+    The cache holds compiled graphs (Dynamo and Inductor objects, tensors they
+    captured) from C++, and the engine hook a runtime. At interpreter exit,
+    while Python is still whole, the hook is taken out of the engine (a
+    backward started by a late thread runs eagerly) and the cache is
+    emptied, so none of these objects is left to be dropped during
+    finalisation, where a decref from a non-Python thread (a gloo worker
+    finishing a collective) would wait for the GIL that shutdown holds.
+    """
+    ca_core.uninstall_engine_hook()
+    ca_core.clear_cache()
 
 
 def stats() -> dict[str, int]:
