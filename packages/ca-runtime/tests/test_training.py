@@ -298,3 +298,29 @@ def test_post_accumulate_grad_hook_before_a_compiled_region_needs_no_break(backe
     result.assert_ok()
     assert seen and all(seen)
     _assert_captured(result.stats)
+
+
+def test_hook_registered_inside_a_compiled_region(backend: str) -> None:
+    w = torch.randn(4, 4, requires_grad=True)
+    seen: list[int] = []
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        seen.append(1)
+        return grad * 2
+
+    @torch.compile(backend="aot_eager")
+    def region(x: torch.Tensor) -> torch.Tensor:
+        y = x @ w
+        y.register_hook(hook)
+        return y.relu().sum()
+
+    x = torch.randn(3, 4)
+
+    def step() -> int:
+        seen.clear()
+        region(x).backward()
+        return len(seen)
+
+    result = compare(step, backend, tensors=[w], steps=2)
+    result.assert_ok()
+    _assert_captured(result.stats)
