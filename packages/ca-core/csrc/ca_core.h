@@ -80,7 +80,8 @@ struct NodeState {
   /// True for AccumulateGrad: applied after the compiled graph, not traced.
   bool is_accumulate_grad = false;
   /// Index into BackwardState::lifted_tensors of each of collected's tensors
-  /// (empty for AccumulateGrad); see [Note: Lifted tensor de-duplication].
+  /// (for AccumulateGrad: empty, or its variable's slot alone; see [Note:
+  /// Leaves accumulated in the graph]); see [Note: Lifted tensor de-duplication].
   std::vector<uint32_t> tensor_slots;
   /// Tensor pre-hooks (Python, C++, retain_grad) in eager's call order.
   std::vector<TensorPreHook> tensor_pre_hooks;
@@ -129,6 +130,9 @@ struct BackwardState {
   bool accumulate_grad = true;
   /// Grad mode of the backward (create_graph=True).
   bool create_graph = false;
+  /// Some leaf's variable is lifted (see [Note: Leaves accumulated in the
+  /// graph]): without create_graph, non-leaf lifted tensors go in detached.
+  bool lifts_leaf_variables = false;
   /// Per size input of this backward: dynamic in the graph being captured.
   std::vector<bool> dynamic_sizes;
   /// (lifted tensor, dim) pairs whose extent changed since the last capture:
@@ -166,6 +170,9 @@ struct ShadowNode {
   /// (after the torch.autograd.grad outputs), in output order; the others
   /// were accumulated inside the graph.
   std::vector<uint32_t> leaf_outputs;
+  /// Per leaf output: accumulated by the graph, only its grad_fn post hooks
+  /// run after it; see [Note: Leaves accumulated in the graph].
+  std::vector<bool> leaf_hooks_only;
 
   /// What the node whose key leads here looked like; see [Note: Explained misses].
   std::unique_ptr<NodeSummary> summary;
@@ -244,6 +251,11 @@ PyObject* installed_runtime();
 /// hooks, as the engine copies them), then its post hooks (e.g. the C++ DDP
 /// Reducer's). Its tensor pre-hooks ran in the graph. See [Note: Leaf node hooks].
 void run_leaf_node(Node& fn, at::Tensor grad);
+
+/// Runs only the grad_fn post hooks of a leaf the graph accumulated (outputs
+/// empty, inputs = {grad}), after the graph; see [Note: Leaves accumulated in
+/// the graph].
+void run_leaf_post_hooks(Node& fn, at::Tensor grad);
 
 /// Installs ca_core's PyCompilerInterface for a scope, so that nodes'
 /// apply_with_saved run their functional backward on the values given.

@@ -146,9 +146,14 @@ GraphArgs lift_args(const BackwardState& state) {
   // Sized once: growing a list of thousands of tensors reallocates it.
   const size_t num_tensors = state.lifted_tensors.size();
   args.tensors = nb::steal<nb::list>(check_py(PyList_New(static_cast<Py_ssize_t>(num_tensors))));
+  // See [Note: Leaves accumulated in the graph] for the detach.
+  const bool detach_non_leaves = state.lifts_leaf_variables && !state.create_graph;
   for (size_t i = 0; i < num_tensors; ++i) {
+    const at::Tensor& t = state.lifted_tensors[i];
     PyList_SET_ITEM(
-        args.tensors.ptr(), static_cast<Py_ssize_t>(i), check_py(wrap_tensor(state.lifted_tensors[i])));
+        args.tensors.ptr(),
+        static_cast<Py_ssize_t>(i),
+        check_py(wrap_tensor(detach_non_leaves && !t.is_leaf() ? t.detach() : t)));
   }
   for (const auto& ns : state.nodes) {
     if (!ns.collected) {
@@ -296,10 +301,13 @@ nb::list dynamic_size_args(
 }
 
 /// Applies the graph's leaf grads through the real AccumulateGrad nodes, which
-/// gives eager's stealing, layout and post-accumulate-grad-hook behaviour.
+/// gives eager's stealing, layout and post-accumulate-grad-hook behaviour. A
+/// leaf the graph accumulated itself (`hooks_only`) only gets its grad_fn
+/// post hooks; see [Note: Leaves accumulated in the graph].
 void accumulate_leaf_grads(
     BackwardState& state,
     const std::vector<uint32_t>& leaf_outputs,
+    const std::vector<bool>& hooks_only,
     variable_list& leaf_grads) {
   TORCH_CHECK(
       leaf_grads.size() == leaf_outputs.size(),
@@ -310,7 +318,11 @@ void accumulate_leaf_grads(
   for (size_t k = 0; k < leaf_outputs.size(); ++k) {
     NodeState& ns = state.nodes.at(leaf_outputs[k]);
     TORCH_INTERNAL_ASSERT(ns.is_accumulate_grad);
-    run_leaf_node(*ns.call.node, std::move(leaf_grads[k]));
+    if (k < hooks_only.size() && hooks_only[k]) {
+      run_leaf_post_hooks(*ns.call.node, std::move(leaf_grads[k]));
+    } else {
+      run_leaf_node(*ns.call.node, std::move(leaf_grads[k]));
+    }
   }
 }
 
@@ -328,16 +340,29 @@ void run_final_callbacks(GraphTask& task) {
   }
 }
 
-/// The (compiled, leaf_outputs) pair capture() returns, or nullopt for None.
-std::optional<std::pair<nb::object, std::vector<uint32_t>>> unpack_capture(
-    nb::handle result) {
+/// What capture() returns: (compiled, leaf_outputs[, leaf_hooks_only]).
+struct Captured {
+  nb::object compiled;
+  std::vector<uint32_t> leaf_outputs;
+  /// Per leaf output: the graph accumulated it; only its post hooks run.
+  std::vector<bool> hooks_only;
+};
+
+/// The tuple capture() returns, or nullopt for None.
+std::optional<Captured> unpack_capture(nb::handle result) {
   if (result.is_none()) {
     return std::nullopt;
   }
   nb::tuple pair = nb::cast<nb::tuple>(result);
-  TORCH_CHECK(nb::len(pair) == 2, "ca_core: capture() must return (compiled, leaf_outputs) or None");
-  return std::make_pair(
-      nb::borrow(pair[0]), nb::cast<std::vector<uint32_t>>(pair[1]));
+  const size_t n = nb::len(pair);
+  TORCH_CHECK(
+      n == 2 || n == 3,
+      "ca_core: capture() must return (compiled, leaf_outputs[, leaf_hooks_only]) or None");
+  Captured out{nb::borrow(pair[0]), nb::cast<std::vector<uint32_t>>(pair[1]), {}};
+  if (n == 3) {
+    out.hooks_only = nb::cast<std::vector<bool>>(pair[2]);
+  }
+  return out;
 }
 
 variable_list compiled_backward_with_gil(
@@ -381,6 +406,7 @@ variable_list compiled_backward_with_gil(
       sizes_match(*entry, args.size_values);
   nb::object compiled;
   std::vector<uint32_t> leaf_outputs;
+  std::vector<bool> leaf_hooks_only;
   bool first_run = false;
   // capture() may probe nodes and the graph runs them: both need the state,
   // and the compiler interface installed once for the whole run rather than
@@ -392,6 +418,7 @@ variable_list compiled_backward_with_gil(
     ++entry->hits;
     compiled = entry->compiled_fn;
     leaf_outputs = entry->leaf_outputs;
+    leaf_hooks_only = entry->leaf_hooks_only;
     first_run = entry->first_run;
     state->dynamic_sizes = entry->dynamic_sizes;
   } else {
@@ -407,11 +434,13 @@ variable_list compiled_backward_with_gil(
       return run_eager(root, graph_task);
     }
     ++g_counters.captures;
-    compiled = std::move(captured->first);
-    leaf_outputs = std::move(captured->second);
+    compiled = std::move(captured->compiled);
+    leaf_outputs = std::move(captured->leaf_outputs);
+    leaf_hooks_only = std::move(captured->hooks_only);
     if (entry_alive()) {
       entry->compiled_fn = compiled;
       entry->leaf_outputs = leaf_outputs;
+      entry->leaf_hooks_only = leaf_hooks_only;
       entry->expected_sizes = args.size_values;
       entry->dynamic_sizes = state->dynamic_sizes;
       entry->tensor_shapes = tensor_shapes(*state);
@@ -489,7 +518,7 @@ variable_list compiled_backward_with_gil(
     // GIL: a callback (DDP's finalize_backward) may wait for a thread that
     // needs it. See [Note: Final callbacks].
     GilRelease no_gil;
-    accumulate_leaf_grads(*state, leaf_outputs, leaf_grads);
+    accumulate_leaf_grads(*state, leaf_outputs, leaf_hooks_only, leaf_grads);
     if (!state->keep_graph) {
       for (auto& ns : state->nodes) {
         if (ns.call.needed) {
@@ -536,6 +565,15 @@ void run_leaf_node(Node& fn, at::Tensor grad) {
   }
   // The node may steal its input grad: the post hooks see the engine's copy.
   variable_list outputs = fn(variable_list(inputs));
+  for (const auto& hook : fn.post_hooks()) {
+    outputs = (*hook)(outputs, inputs);
+  }
+}
+
+void run_leaf_post_hooks(Node& fn, at::Tensor grad) {
+  variable_list inputs;
+  inputs.emplace_back(std::move(grad));
+  variable_list outputs;
   for (const auto& hook : fn.post_hooks()) {
     outputs = (*hook)(outputs, inputs);
   }

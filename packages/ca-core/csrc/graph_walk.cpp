@@ -44,7 +44,30 @@ input: the walk gives each distinct TensorImpl a slot in first-use order and
 every node refers to its tensors by slot. Which slots a node uses is part of
 its key (one collect_size per tensor), so a later backward with the same key
 path has the same aliasing and the graph built for the first stays valid.
-AccumulateGrad's tensors are not graph inputs (the node runs after the graph).
+AccumulateGrad's tensors are not graph inputs (the node runs after the graph),
+except the variable of a leaf with post-accumulate-grad hooks.
+
+[Note: Leaves accumulated in the graph]
+A leaf with post-accumulate-grad hooks (DDP's python_reducer all-reduce, an
+optimizer step in a hook) and no grad_fn pre-hooks has its variable lifted
+(NodeInfo.tensor_slots[0]) and its hooks listed (NodeInfo.post_acc_grad_hooks),
+so that the graph accumulates it with torch.ops.inductor.accumulate_grad_ at
+its eager position and calls the hooks after it, traced by Dynamo as torch's
+compiled autograd does. Its real node does not run. If it also has grad_fn
+post hooks (the C++ DDP Reducer's autograd_hook, registered even with the
+python_reducer, where it returns at once), its input grad is still a leaf
+output and run_leaf_post_hooks calls just those hooks after the graph, as
+before: later than eager when later hooks exist (a known difference; torch's
+compiled autograd drops such C++ hooks altogether). The lifted slot is part
+of the key as for any other node.
+
+A hook may mutate its parameter in place (an optimizer step), and another
+lifted tensor may be a view of it (AddmmBackward saves weight.t()): AOTAutograd
+then refuses inputs that alias where some are leaves and some are not
+("any_leaf=True != all_leaf=False"; torch 2.13's own compiled autograd fails
+so). Without create_graph the saved tensors' autograd history is unused, so
+such a backward lifts non-leaf tensors detached (lift_args): every aliasing
+input is then a leaf and AOTAutograd's synthetic base handles the mutation.
 
 [Note: Dynamic sizes]
 Sizes (the SymInts a node's compiled_args visits: saved sizes, the shapes of
@@ -114,6 +137,7 @@ void ShadowNode::clear() {
   first_run = true;
   hits = 0;
   leaf_outputs.clear();
+  leaf_hooks_only.clear();
   summary.reset();
   walk_failures.clear();
 }
@@ -142,6 +166,7 @@ void BackwardState::reset() {
   keep_graph = false;
   accumulate_grad = true;
   create_graph = false;
+  lifts_leaf_variables = false;
   dynamic_sizes.clear();
   dynamic_dims.clear();
   miss_node = -1;
@@ -550,6 +575,23 @@ BackwardStatePtr walk_graph(
         args.collect_size(ns.collected->sv_to_hooks.size());
         ns.num_apply_sizes =
             static_cast<uint32_t>(ns.collected->all_size_inputs.size());
+        // A leaf with post-accumulate-grad hooks (and no grad_fn pre-hooks)
+        // lifts its variable: the graph accumulates it and calls the hooks;
+        // see [Note: Leaves accumulated in the graph].
+        const bool lifts_variable = ns.is_accumulate_grad &&
+            !call.post_acc_grad_hooks.empty() && fn->pre_hooks().empty() &&
+            !ns.collected->tensor_args.inputs.empty();
+        if (lifts_variable) {
+          const at::Tensor& variable = ns.collected->tensor_args.inputs.front();
+          auto [slot, inserted] = scratch.slots.try_emplace(variable.unsafeGetTensorImpl());
+          if (inserted) {
+            *slot = static_cast<uint32_t>(state->lifted_tensors.size());
+            state->lifted_tensors.push_back(variable);
+          }
+          ns.tensor_slots.push_back(*slot);
+          args.collect_size(*slot);
+          state->lifts_leaf_variables = true;
+        }
         if (!ns.is_accumulate_grad) {
           const auto& tensors = ns.collected->tensor_args.inputs;
           ns.tensor_slots.reserve(tensors.size());

@@ -125,6 +125,10 @@ struct NodeInfo {
   std::vector<uint32_t> pre_hooks;
   /// grad_fn post-hooks (register_hook): indices in the graph's `hooks`.
   std::vector<uint32_t> post_hooks;
+  /// AccumulateGrad whose variable is lifted (tensor_slots[0]): its
+  /// post-accumulate-grad hooks, indices in the graph's `hooks`; see
+  /// [Note: Leaves accumulated in the graph].
+  std::vector<uint32_t> post_acc_grad_hooks;
   /// Saved tensors whose unpack hook runs when the node is applied.
   uint32_t num_saved_tensor_hooks = 0;
   /// Per saved tensor with an unpack hook, in packed-input order (the order
@@ -787,7 +791,14 @@ nb::object describe_backward(const BackwardState& state) {
       info.num_apply_sizes = ns.num_apply_sizes;
       info.num_validate_sizes = num_sizes - ns.num_apply_sizes;
       graph.num_sizes += num_sizes;
-      if (!ns.is_accumulate_grad) {
+      if (ns.is_accumulate_grad) {
+        info.tensor_slots = ns.tensor_slots;
+        if (!ns.tensor_slots.empty()) {
+          for (int id : call.post_acc_grad_hooks) {
+            info.post_acc_grad_hooks.push_back(hook_offset + static_cast<uint32_t>(id));
+          }
+        }
+      } else {
         info.tensor_slots = ns.tensor_slots;
         info.num_scalars = static_cast<uint32_t>(
             ns.collected->lifted_ivalue_args.args.size());
@@ -872,6 +883,7 @@ void register_node_apply(nb::module_& m) {
       .def_ro("tensor_pre_hooks", &NodeInfo::tensor_pre_hooks)
       .def_ro("pre_hooks", &NodeInfo::pre_hooks)
       .def_ro("post_hooks", &NodeInfo::post_hooks)
+      .def_ro("post_acc_grad_hooks", &NodeInfo::post_acc_grad_hooks)
       .def_ro("num_saved_tensor_hooks", &NodeInfo::num_saved_tensor_hooks)
       .def_ro("unpack_hooks", &NodeInfo::unpack_hooks)
       .def_ro("unpack_hook_fns", &NodeInfo::unpack_hook_fns)

@@ -44,6 +44,10 @@ def test_grads_equal_eager_on_every_rank_and_backward_is_captured(case: str) -> 
         assert r["stats"]["captures"] >= 1, r["stats"]
         assert r["stats"]["eager_fallbacks"] == 0, r["stats"]
         assert r["stats"]["graph_breaks"] == _BREAKS[case] * r["stats"]["captures"], r["stats"]
+        # python_reducer: DDP's post-accumulate-grad all-reduce is traced into
+        # the graph (see [Note: Leaves accumulated in the graph]); the C++
+        # Reducer's runs after it.
+        assert r["all_reduce_in_graph"] == (case == "python_reducer"), r
 
 
 def test_ddp_job_exits_cleanly_every_time() -> None:

@@ -324,3 +324,32 @@ def test_hook_registered_inside_a_compiled_region(backend: str) -> None:
     result = compare(step, backend, tensors=[w], steps=2)
     result.assert_ok()
     _assert_captured(result.stats)
+
+
+def test_optimizer_in_backward_hooks_are_traced_into_the_graph(backend: str) -> None:
+    """Post-accumulate-grad hooks (an SGD step, a record of the grad) run inside the graph."""
+    torch.manual_seed(8)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    records: list[torch.Tensor] = []
+
+    def sgd(p: torch.Tensor) -> None:
+        with torch.no_grad():
+            p.add_(p.grad, alpha=-0.1)
+        p.grad = None
+
+    for p in model[0].parameters():
+        p.register_post_accumulate_grad_hook(sgd)
+    for p in model[2].parameters():
+        p.register_post_accumulate_grad_hook(lambda p: records.append(p.grad.clone()))
+    x = torch.randn(5, 6)
+
+    def step() -> list[torch.Tensor]:
+        records.clear()
+        model(x).pow(2).sum().backward()
+        return [*records, *(p.detach().clone() for p in model.parameters())]
+
+    result = compare(step, backend, tensors=model, steps=3)
+    result.assert_ok()
+    _assert_captured(result.stats)
+    graph = ca_runtime.last_graph()
+    assert graph is not None and graph.code.count("_accumulate_leaf(") == 4, graph.code

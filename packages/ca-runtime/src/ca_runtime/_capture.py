@@ -25,7 +25,10 @@ Function ctx objects) in walk order; NodeInfo gives each one's index.
 ca_core applies the graph's leaf grads through the real AccumulateGrad nodes
 after the graph has run (eager's stealing and layout rules, and the
 post-accumulate-grad hooks, for free). That moves a leaf's accumulation after
-every hook of the graph. Where a post-accumulate-grad hook would then run
+every hook of the graph, except for a leaf whose only hooks are
+post-accumulate-grad hooks: the graph accumulates that one itself at its eager
+position and calls its hooks (``accumulate_leaf``, traced; see [Note: Leaves
+accumulated in the graph] in ca_core). Where another leaf's hook would then run
 after a hook or Function backward that eager runs after it, the leaf is
 accumulated inside the graph instead, at its eager position, behind a graph
 break (``accumulate_grad_now``). So is every leaf before a node whose rule
@@ -80,6 +83,10 @@ class Capture:
     graph_module: torch.fx.GraphModule
     #: Walk index of each AccumulateGrad node whose grad the graph returns.
     leaf_outputs: list[int]
+    #: Per leaf output: the graph accumulated that leaf itself and only its
+    #: grad_fn post hooks run after the graph (see [Note: Leaves accumulated
+    #: in the graph] in ca_core).
+    leaf_hooks_only: list[bool] = field(default_factory=list)
     graph_breaks: list[GraphBreak] = field(default_factory=list)
 
 
@@ -87,6 +94,7 @@ class Capture:
 _EFFECTFUL = frozenset(
     {
         ops.accumulate_grad_now,
+        ops.accumulate_leaf,
         ops.apply_with_saved_eager,
         ops.call_cpp_tensor_pre_hook,
         ops.call_function_backward,
@@ -111,14 +119,29 @@ def _has_effects(node: ca_core.NodeInfo) -> bool:
     """
     if node.tensor_pre_hooks or node.pre_hooks or node.post_hooks:
         return True
-    if not node.needed or node.is_accumulate_grad:
+    if not node.needed:
         return False
+    if node.is_accumulate_grad:
+        # Its post-accumulate-grad hooks are called from the graph; see
+        # [Note: Leaves accumulated in the graph] in ca_core.
+        return bool(node.post_acc_grad_hooks)
     return bool(node.unpack_hooks) or rule_for(node).handling not in (Handling.TRACE, Handling.AOT)
 
 
 def _runs_leaf_hooks(node: ca_core.NodeInfo) -> bool:
     """Whether accumulating leaf ``node`` calls user code (see [Note: Leaf node hooks] in ca_core)."""
     return any(node.hooks.get(kind) for kind in ("pre", "post", "post_acc_grad"))
+
+
+def _accumulates_in_graph(node: ca_core.NodeInfo, graph: ca_core.BackwardGraph) -> bool:
+    """A leaf the graph accumulates itself; see [Note: Leaves accumulated in the graph] in ca_core."""
+    return bool(
+        graph.accumulate_grad
+        and not graph.create_graph
+        and node.tensor_slots
+        and node.post_acc_grad_hooks
+        and not node.hooks.get("pre")
+    )
 
 
 def build_graph_module(graph: ca_core.BackwardGraph) -> Capture:
@@ -224,11 +247,25 @@ def build_graph_module(graph: ca_core.BackwardGraph) -> Capture:
             if node.index < last_reader:
                 graph_break(node, f"{nodes[last_reader].name} reads this leaf's .grad later")
                 fx.call_function(ops.accumulate_grad_now, (node.index, buffer[0]))
+            elif _accumulates_in_graph(node, graph):
+                fx.call_function(
+                    ops.accumulate_leaf,
+                    (
+                        lifted[node.tensor_slots[0]],
+                        buffer[0],
+                        [hook_at(h) for h in node.post_acc_grad_hooks],
+                    ),
+                )
+                if node.hooks.get("post"):
+                    capture.leaf_outputs.append(node.index)
+                    capture.leaf_hooks_only.append(True)
+                    leaf_grads.append(buffer[0])
             elif _runs_leaf_hooks(node) and node.index < last_effect:
                 graph_break(node, "a leaf's hooks must run before later hooks")
                 fx.call_function(ops.accumulate_grad_now, (node.index, buffer[0]))
             else:
                 capture.leaf_outputs.append(node.index)
+                capture.leaf_hooks_only.append(False)
                 leaf_grads.append(buffer[0])
             continue
         if rule.handling is Handling.UNSUPPORTED:

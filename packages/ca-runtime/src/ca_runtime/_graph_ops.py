@@ -39,6 +39,7 @@ from torch._dynamo.external_utils import call_backward
 __all__ = [
     "accumulate",
     "accumulate_grad_now",
+    "accumulate_leaf",
     "apply_node",
     "apply_with_saved_eager",
     "call_cpp_tensor_pre_hook",
@@ -180,6 +181,26 @@ def call_opaque_tensor_pre_hook(
 ) -> Grads:
     """A C++ tensor hook without compiled_args, on all of the node's grads, behind a graph break."""
     return ca_core.call_opaque_tensor_pre_hook(node_idx, hook_index, grads)
+
+
+def accumulate_leaf(
+    variable: torch.Tensor, grad: torch.Tensor | None, hooks: Sequence[Callable[[torch.Tensor], Any]]
+) -> None:
+    """A leaf accumulated in the graph, then its post-accumulate-grad hooks.
+
+    See [Note: Leaves accumulated in the graph] in ca_core. ``inductor::accumulate_grad_``
+    is torch's op for this: Dynamo traces it (a fresh grad, stored to
+    ``variable.grad`` as a side effect), and without Dynamo its kernel
+    accumulates as AccumulateGrad does (clone obeying the layout contract
+    instead of stealing). An undefined grad accumulates nothing and calls no
+    hook, as AccumulateGrad does.
+    """
+    if grad is None:
+        return
+    torch.ops.inductor.accumulate_grad_.default(variable, variable.grad, grad)
+    for hook in hooks:
+        if hook(variable) is not None:
+            raise RuntimeError("Tensor post accumulate grad hooks should return None.")
 
 
 @torch._dynamo.disable

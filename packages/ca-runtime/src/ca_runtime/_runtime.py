@@ -5,9 +5,10 @@ ca_core calls exactly these methods, all on a cache miss, a first run or a
 failure, never on a cache hit:
 
 - ``capture(graph)``: build the FX graph of a walked backward and compile it
-  with ``compiler_fn``; return ``(compiled, leaf_outputs)`` -- the compiled
-  callable and the walk index of each AccumulateGrad node whose grad the graph
-  returns -- or None to run this backward (and every later one with the same
+  with ``compiler_fn``; return ``(compiled, leaf_outputs, leaf_hooks_only)`` --
+  the compiled callable, the walk index of each AccumulateGrad node whose grad
+  the graph returns, and per such node whether the graph accumulated it
+  already (only its grad_fn post hooks are left to run) -- or None to run this backward (and every later one with the same
   key path) eagerly.
 - ``run_first(compiled, inputs, sizes, scalars, hooks, dynamic_dims)``: the
   first call of a freshly compiled graph, where lazy compilers
@@ -119,7 +120,7 @@ class Runtime:
 
     def capture(
         self, graph: ca_core.BackwardGraph
-    ) -> tuple[Callable[..., Any], list[int]] | None:
+    ) -> tuple[Callable[..., Any], list[int], list[bool]] | None:
         try:
             captured = build_graph_module(graph)
         except UnsupportedNode as e:
@@ -153,7 +154,7 @@ class Runtime:
                 )
                 log.info(message)
                 warnings.warn(message, GraphBreakWarning, stacklevel=2)
-        return compiled, captured.leaf_outputs
+        return compiled, captured.leaf_outputs, captured.leaf_hooks_only
 
     def run_first(
         self,

@@ -72,8 +72,23 @@ def ddp_case(rank: int, world_size: int, case: str, backend: str, steps: int) ->
             loss.backward()
         return loss.detach()
 
-    result = compare(step, backend, tensors=getattr(model, "module", model), steps=steps)
-    return {"rank": rank, "ok": result.ok, "stats": dict(result.stats), "report": result.report()}
+    # Dynamo's graphs are recorded on the way to the backend, to show where
+    # the all-reduce ended up.
+    dynamo_ops: list[str] = []
+
+    def recording(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        dynamo_ops.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return torch._dynamo.backends.registry.lookup_backend(backend)(gm, example_inputs)
+
+    compiler = lambda gm: torch.compile(gm, backend=recording)  # noqa: E731
+    result = compare(step, compiler, tensors=getattr(model, "module", model), steps=steps)
+    return {
+        "rank": rank,
+        "ok": result.ok,
+        "stats": dict(result.stats),
+        "report": result.report(),
+        "all_reduce_in_graph": any("all_reduce" in op for op in dynamo_ops),
+    }
 
 
 def main(case: str, backend: str, steps: int) -> int:
