@@ -162,6 +162,8 @@ struct ShadowNode {
   nb::object compiled_fn;
   /// Capture or first run failed here: later backwards go eager at once.
   bool failed = false;
+  /// Why it failed, in the runtime's words (empty while not failed).
+  std::string failure;
   /// The compiled function has not completed a run yet.
   bool first_run = true;
   /// Backwards served by compiled_fn.
@@ -183,23 +185,39 @@ struct ShadowNode {
   /// The child for `key`, created (with `created` set) if new.
   ShadowNode* lookup(const CacheKey& key, bool& created);
   void clear();
+  /// Forgets every failure at or below this node (cache_clear_failed()).
+  void clear_failed();
 };
 
-/// Process-wide cache root. Guarded by the GIL: see [Note: Cache and the GIL].
-ShadowNode& cache_root();
+/// The cache root of one compiler (`compiler_key`, e.g. "backend:inductor"),
+/// created on first use. Guarded by the GIL: see [Note: Cache and the GIL]
+/// and [Note: One cache per compiler].
+ShadowNode& cache_root(const std::string& compiler_key);
 /// Bumped by clear_cache(); an in-flight capture that sees it change drops its result.
 uint64_t cache_generation();
 
 /// A node's compiled_args failed during the walk; names the node.
 struct WalkError : std::runtime_error {
-  WalkError(std::string node_name, const std::string& reason, bool remembered)
+  WalkError(
+      std::string node_name,
+      const std::string& reason,
+      bool remembered,
+      ShadowNode* at,
+      std::type_index type)
       : std::runtime_error(reason),
         node(std::move(node_name)),
-        remembered(remembered) {}
+        remembered(remembered),
+        at(at),
+        type(type) {}
   /// Node::name() of the node whose compiled_args threw.
   std::string node;
   /// The failure was already reported for this path: no new warning.
   bool remembered;
+  /// The cache node the walk had reached: where to remember the failure once
+  /// the eager engine showed it was ours; see [Note: Whose failure].
+  ShadowNode* at;
+  /// The failing node's type, for ShadowNode::walk_failures.
+  std::type_index type;
 };
 
 /// Deleter of a BackwardState: resets it and keeps it for the thread's next
@@ -213,6 +231,7 @@ using BackwardStatePtr = std::unique_ptr<BackwardState, RecycleBackwardState>;
 /// every node's key and lifted values. Throws WalkError when a node's
 /// compiled_args throws.
 BackwardStatePtr walk_graph(
+    ShadowNode& cache,
     const c10::intrusive_ptr<Node>& root,
     const torch::autograd::GraphTask& graph_task,
     const torch::autograd::edge_list& output_edges);

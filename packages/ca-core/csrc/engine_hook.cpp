@@ -49,6 +49,20 @@ node, after the graph, as eager's call_function would. A leaf whose hooks must
 run before later user code is accumulated inside the graph instead, behind a
 graph break (see [Note: Leaf accumulation order] in ca_runtime).
 
+[Note: Whose failure]
+A node whose compiled_args throws during the walk may be the user's mistake
+(a second backward through freed buffers, a saved tensor modified in place)
+or ours. The walk runs no user code, so the hook can ask the eager engine,
+the oracle: it runs the backward eagerly first. If eager raises, the error was
+the user's: it propagates exactly as eager raised it, with no warning, and
+nothing is remembered, so the next backward captures or hits as if it had not
+happened. Only if eager succeeds is the failure ours: it is then reported
+(one EagerFallbackWarning) and remembered on that key path. A compiled
+graph's first run that fails (run_first returns None) is judged the same way,
+except for exceptions the runtime can already tell came from user code, which
+propagate at once (the graph ran part of the user's hooks: running them again
+eagerly would repeat their side effects).
+
 [Note: Eager fallback]
 A backward that cannot be compiled runs on the eager engine from inside the
 hook: execute_with_graph_task on the same GraphTask, which the walk left
@@ -69,6 +83,8 @@ Counters g_counters;
 
 /// The ca_runtime object (capture, run_first, report_fallback), or null.
 PyObject* g_runtime = nullptr;
+/// The cache root of the installed runtime's compiler; see [Note: One cache per compiler].
+ShadowNode* g_cache = nullptr;
 
 /// Holds the GIL for a scope (the engine calls the hook without it).
 struct GilAcquire {
@@ -127,6 +143,15 @@ void report_fallback(const std::string& node, const std::string& reason) {
   }
   nb::handle runtime(g_runtime);
   runtime.attr("report_fallback")(node, reason);
+}
+
+/// Marks a cache entry failed, with the reason the runtime just warned about
+/// (its `last_failure` attribute).
+void mark_failed(ShadowNode& entry, nb::handle runtime) {
+  entry.failed = true;
+  if (nb::hasattr(runtime, "last_failure")) {
+    entry.failure = nb::cast<std::string>(nb::str(runtime.attr("last_failure")));
+  }
 }
 
 /// The graph's inputs: the de-duplicated lifted tensors, every
@@ -379,15 +404,21 @@ variable_list compiled_backward_with_gil(
   DepthGuard depth;
 
   BackwardStatePtr state;
+  const uint64_t walk_generation = cache_generation();
   try {
-    state = walk_graph(root, graph_task, output_edges);
+    state = walk_graph(*g_cache, root, graph_task, output_edges);
   } catch (const WalkError& e) {
     if (e.remembered) {
       ++g_counters.eager_fallbacks;
-    } else {
-      report_fallback(e.node, e.what());
+      return run_eager(root, graph_task);
     }
-    return run_eager(root, graph_task);
+    // Eager first: its error is the user's; see [Note: Whose failure].
+    variable_list outputs = run_eager(root, graph_task);
+    if (cache_generation() == walk_generation) {
+      e.at->walk_failures.push_back(e.type);
+    }
+    report_fallback(e.node, e.what());
+    return outputs;
   }
   state->accumulate_grad = accumulate_grad;
   state->create_graph = c10::GradMode::is_enabled();
@@ -428,7 +459,7 @@ variable_list compiled_backward_with_gil(
     auto captured = unpack_capture(runtime.attr("capture")(description));
     if (!captured) {
       if (entry_alive()) {
-        entry->failed = true;
+        mark_failed(*entry, runtime);
       }
       ++g_counters.eager_fallbacks;
       return run_eager(root, graph_task);
@@ -465,12 +496,15 @@ variable_list compiled_backward_with_gil(
           args.hooks,
           state->dynamic_dims);
       if (result.is_none()) {
+        // Eager decides whose failure it was: an error it raises too is the
+        // user's and leaves the entry as it is; see [Note: Whose failure].
+        variable_list eager_outputs = run_eager(root, graph_task);
+        report_fallback("compiled graph", nb::cast<std::string>(nb::str(runtime.attr("last_failure"))));
         if (entry_alive()) {
-          entry->failed = true;
+          mark_failed(*entry, runtime);
           entry->compiled_fn = nb::object();
         }
-        ++g_counters.eager_fallbacks;
-        return run_eager(root, graph_task);
+        return eager_outputs;
       }
       if (entry_alive()) {
         entry->first_run = false;
@@ -586,7 +620,7 @@ PyObject* installed_runtime() {
 void register_engine_hook(nb::module_& m) {
   m.def(
       "install_engine_hook",
-      [](nb::object runtime) {
+      [](nb::object runtime, const std::string& compiler_key) {
         for (const char* method : {"capture", "run_first", "report_fallback"}) {
           if (!nb::hasattr(runtime, method)) {
             throw nb::type_error(
@@ -597,12 +631,15 @@ void register_engine_hook(nb::module_& m) {
         }
         PyObject* prior = g_runtime;
         g_runtime = runtime.inc_ref().ptr();
+        g_cache = &cache_root(compiler_key);
         Py_XDECREF(prior);
         Engine::set_compiled_autograd(&compiled_backward);
       },
       nb::arg("runtime"),
-      "Installs ca_core's engine hook, serving backwards with `runtime`; "
-      "see [Note: Engine hook lifetime].");
+      nb::arg("compiler_key") = "default",
+      "Installs ca_core's engine hook, serving backwards with `runtime` from "
+      "the cache of `compiler_key`; see [Note: Engine hook lifetime] and "
+      "[Note: One cache per compiler].");
   m.def(
       "rearm_engine_hook",
       []() {

@@ -5,6 +5,8 @@
 
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
 
+#include <nanobind/stl/string.h>
+
 #include <cxxabi.h>
 
 #include <algorithm>
@@ -105,6 +107,15 @@ objects themselves are not part of the key, only their number and position:
 they are passed to the graph on every backward (the graph's `hooks` input), so
 a new closure registered at the same place is served by the same graph.
 
+[Note: One cache per compiler]
+A graph compiled with one compiler_fn must not serve a backward run under
+another (aot_eager then inductor in one process would otherwise replay the
+aot_eager graph). The cache is a tree per compiler: enable() installs the
+engine hook with a key naming its compiler ("backend:inductor" for a backend
+name, the callable's identity for a compiler_fn, which ca_runtime keeps alive
+so the identity cannot be reused), and walks start at that key's root. The
+same backend name or the same callable finds its earlier captures.
+
 [Note: Cache and the GIL]
 Every read and write of the cache tree happens with the GIL held and without
 running Python code in between, so the GIL serialises threads for us. Python
@@ -126,6 +137,19 @@ ShadowNode* ShadowNode::lookup(const CacheKey& key, bool& created) {
   return it->second.get();
 }
 
+void ShadowNode::clear_failed() {
+  if (failed) {
+    failed = false;
+    failure.clear();
+    compiled_fn = nb::object();
+    first_run = true;
+  }
+  walk_failures.clear();
+  for (auto& [_, child] : next) {
+    child->clear_failed();
+  }
+}
+
 void ShadowNode::clear() {
   next.clear();
   key_storage.clear();
@@ -134,6 +158,7 @@ void ShadowNode::clear() {
   tensor_shapes.clear();
   compiled_fn = nb::object();
   failed = false;
+  failure.clear();
   first_run = true;
   hits = 0;
   leaf_outputs.clear();
@@ -460,11 +485,22 @@ std::string explain_new_key(
 
 } // namespace
 
-ShadowNode& cache_root() {
+/// Cache roots by compiler key, in creation order; see [Note: One cache per compiler].
+std::vector<std::pair<std::string, std::unique_ptr<ShadowNode>>>& cache_roots() {
   // Leaked on purpose: its Python objects must not be released after the
   // interpreter is gone.
-  static ShadowNode* root = new ShadowNode();
-  return *root;
+  static auto* roots = new std::vector<std::pair<std::string, std::unique_ptr<ShadowNode>>>();
+  return *roots;
+}
+
+ShadowNode& cache_root(const std::string& compiler_key) {
+  auto& roots = cache_roots();
+  for (auto& [key, root] : roots) {
+    if (key == compiler_key) {
+      return *root;
+    }
+  }
+  return *roots.emplace_back(compiler_key, std::make_unique<ShadowNode>()).second;
 }
 
 uint64_t cache_generation() {
@@ -490,6 +526,7 @@ void RecycleBackwardState::operator()(BackwardState* state) const {
 }
 
 BackwardStatePtr walk_graph(
+    ShadowNode& cache_root,
     const c10::intrusive_ptr<Node>& root,
     const GraphTask& graph_task,
     const torch::autograd::edge_list& output_edges) {
@@ -539,7 +576,7 @@ BackwardStatePtr walk_graph(
   push_ready(root.get());
   id_of(root.get());
 
-  ShadowNode* cache = &cache_root();
+  ShadowNode* cache = &cache_root;
   while (!ready.empty()) {
     std::pop_heap(ready.begin(), ready.end(), LaterSequenceFirst{});
     Node* fn = ready.back();
@@ -564,7 +601,7 @@ BackwardStatePtr walk_graph(
     try {
       for (const auto& failed : cache->walk_failures) {
         if (failed == std::type_index(typeid(*fn))) {
-          throw WalkError(fn->name(), "collection failed before on this path", true);
+          throw WalkError(fn->name(), "collection failed before on this path", true, cache, typeid(*fn));
         }
       }
       CompiledNodeArgs args(*ns.collected, call);
@@ -628,11 +665,10 @@ BackwardStatePtr walk_graph(
     } catch (const WalkError&) {
       throw;
     } catch (const c10::Error& e) {
-      cache->walk_failures.emplace_back(typeid(*fn));
-      throw WalkError(fn->name(), e.what_without_backtrace(), false);
+      // Remembered by the engine hook only if it was ours; see [Note: Whose failure].
+      throw WalkError(fn->name(), e.what_without_backtrace(), false, cache, typeid(*fn));
     } catch (const std::exception& e) {
-      cache->walk_failures.emplace_back(typeid(*fn));
-      throw WalkError(fn->name(), e.what(), false);
+      throw WalkError(fn->name(), e.what(), false, cache, typeid(*fn));
     }
 
     for (const auto& edge : fn->next_edges()) {
@@ -667,37 +703,63 @@ void register_graph_walk(nb::module_& m) {
       "clear_cache",
       []() {
         ++g_generation;
-        cache_root().clear();
+        for (auto& [_, root] : cache_roots()) {
+          root->clear();
+        }
       },
-      "Empties the shadow-graph cache (every captured backward).");
+      "Empties the shadow-graph cache (every captured backward, of every compiler).");
+  m.def(
+      "drop_cache_root",
+      [](const std::string& compiler_key) {
+        auto& roots = cache_roots();
+        for (auto it = roots.begin(); it != roots.end(); ++it) {
+          if (it->first == compiler_key) {
+            ++g_generation;
+            it->second->clear();  // the root itself stays: a runtime may still point at it
+            return;
+          }
+        }
+      },
+      nb::arg("compiler_key"),
+      "Empties the cache of one compiler (its compiler_fn is gone).");
+  m.def(
+      "clear_failed",
+      []() {
+        for (auto& [_, root] : cache_roots()) {
+          root->clear_failed();
+        }
+      },
+      "Forgets every failure in the cache: those key paths are captured again.");
   m.def(
       "cache_entries",
       []() {
-        // Depth-first over the tree: (key-path length, hits, failed,
-        // dynamic sizes, sizes) per compiled or failed entry.
+        // Per compiler root, depth-first over the tree: (key-path length,
+        // hits, failed, dynamic sizes, sizes, compiler key, failure) per
+        // compiled or failed entry.
         nb::list out;
-        std::vector<std::pair<const ShadowNode*, size_t>> stack{
-            {&cache_root(), 0}};
-        while (!stack.empty()) {
-          auto [node, depth] = stack.back();
-          stack.pop_back();
-          if (node->compiled_fn.is_valid() || node->failed) {
-            size_t dynamic = 0;
-            for (bool d : node->dynamic_sizes) {
-              dynamic += d ? 1 : 0;
+        for (const auto& [compiler, root] : cache_roots()) {
+          std::vector<std::pair<const ShadowNode*, size_t>> stack{{root.get(), 0}};
+          while (!stack.empty()) {
+            auto [node, depth] = stack.back();
+            stack.pop_back();
+            if (node->compiled_fn.is_valid() || node->failed) {
+              size_t dynamic = 0;
+              for (bool d : node->dynamic_sizes) {
+                dynamic += d ? 1 : 0;
+              }
+              out.append(nb::make_tuple(
+                  depth, node->hits, node->failed, dynamic,
+                  node->expected_sizes.size(), compiler, node->failure));
             }
-            out.append(nb::make_tuple(
-                depth, node->hits, node->failed, dynamic,
-                node->expected_sizes.size()));
-          }
-          for (const auto& [_, child] : node->next) {
-            stack.emplace_back(child.get(), depth + 1);
+            for (const auto& [_, child] : node->next) {
+              stack.emplace_back(child.get(), depth + 1);
+            }
           }
         }
         return out;
       },
-      "(key_path_length, hits, failed, num_dynamic_sizes, num_sizes) of "
-      "every cache entry.");
+      "(key_path_length, hits, failed, num_dynamic_sizes, num_sizes, compiler, "
+      "failure) of every cache entry.");
 }
 
 } // namespace ca

@@ -8,7 +8,7 @@ what cannot be compiled runs on the eager engine with one warning.
 from __future__ import annotations
 
 from ca_runtime._capture import build_graph_module
-from ca_runtime._enable import CacheEntry, cache_info, disable, enable, reset, stats
+from ca_runtime._enable import CacheEntry, cache_clear_failed, cache_info, disable, enable, reset, stats
 from ca_runtime._log import EagerFallbackWarning, GraphBreakWarning
 from ca_runtime._runtime import Runtime, last_graph
 
@@ -18,6 +18,7 @@ __all__ = [
     "GraphBreakWarning",
     "Runtime",
     "build_graph_module",
+    "cache_clear_failed",
     "cache_info",
     "disable",
     "enable",

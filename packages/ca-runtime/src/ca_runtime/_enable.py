@@ -15,6 +15,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -24,7 +25,7 @@ import torch
 from ca_runtime._runtime import CompilerFn, Runtime, graph_break_count, reset_graph_breaks
 from ca_runtime._torch_interop import keep_hook_across_torch_disable
 
-__all__ = ["CacheEntry", "cache_info", "disable", "enable", "reset", "stats"]
+__all__ = ["CacheEntry", "cache_clear_failed", "cache_info", "disable", "enable", "reset", "stats"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +45,7 @@ class _HookState:
 
     def restore(self) -> None:
         if self.ours is not None:
-            ca_core.install_engine_hook(self.ours)
+            ca_core.install_engine_hook(self.ours, getattr(self.ours, "compiler_key", "default"))
             return
         ca_core.uninstall_engine_hook()
         if self.torch_builtin:
@@ -55,6 +56,32 @@ class _HookState:
 
 def _valid_backends() -> list[str]:
     return sorted(torch._dynamo.list_backends(exclude_tags=()))
+
+
+#: compiler_fn callables whose cache is alive, by compiler key: kept so that
+#: a key (the callable's id) cannot be reused by another object while its
+#: cache exists; see [Note: One cache per compiler] in ca_core.
+_callables: dict[str, Any] = {}
+
+
+def _compiler_key(compiler_fn: object) -> str:
+    """The cache a compiler_fn uses: one per backend name, one per callable object."""
+    if isinstance(compiler_fn, str):
+        return f"backend:{compiler_fn}"
+    key = f"callable:{id(compiler_fn)}"
+    if key not in _callables:
+        try:
+            # A weakly referenceable callable drops its cache when it dies.
+            ref = weakref.ref(compiler_fn, lambda _ref, key=key: _drop_cache(key))
+        except TypeError:
+            ref = compiler_fn
+        _callables[key] = ref
+    return key
+
+
+def _drop_cache(key: str) -> None:
+    if _callables.pop(key, None) is not None:
+        ca_core.drop_cache_root(key)
 
 
 def _resolve_compiler(compiler_fn: object) -> tuple[CompilerFn, str]:
@@ -95,7 +122,8 @@ def enable(compiler_fn: CompilerFn | str) -> Iterator[Runtime]:
     keep_hook_across_torch_disable()
     prior = _HookState.current()
     runtime = Runtime(compiler, description)
-    ca_core.install_engine_hook(runtime)
+    runtime.compiler_key = _compiler_key(compiler_fn)
+    ca_core.install_engine_hook(runtime, runtime.compiler_key)
     try:
         yield runtime
     finally:
@@ -114,10 +142,15 @@ def disable() -> Iterator[None]:
 
 
 def reset() -> None:
-    """Empties the shadow-graph cache and zeroes the counters."""
+    """Empties the shadow-graph cache (of every compiler) and zeroes the counters."""
     ca_core.clear_cache()
     ca_core.reset_counters()
     reset_graph_breaks()
+
+
+def cache_clear_failed() -> None:
+    """Forgets every failed cache entry: those backwards are captured and compiled again."""
+    ca_core.clear_failed()
 
 
 @atexit.register
@@ -165,6 +198,10 @@ class CacheEntry:
     dynamic_sizes: int
     #: All size inputs of the backward.
     sizes: int
+    #: The compiler it was compiled with: ``backend:NAME`` or ``callable:ID``.
+    compiler: str
+    #: Why it failed (the fallback warning's reason), or "".
+    failure: str
 
 
 def cache_info() -> list[CacheEntry]:

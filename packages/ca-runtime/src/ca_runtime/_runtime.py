@@ -13,10 +13,12 @@ failure, never on a cache hit:
 - ``run_first(compiled, inputs, sizes, scalars, hooks, dynamic_dims)``: the
   first call of a freshly compiled graph, where lazy compilers
   (``torch.compile``) do their work, after marking the dynamic sizes and the
-  tensor dims that changed (``dynamic_dims``) dynamic; return its outputs, or None if compiling failed, with the same effect
-  as above. An exception raised by user code the graph calls (a hook, a
-  Function's backward) is re-raised unchanged, as eager would raise it, and
-  the entry stays usable.
+  tensor dims that changed (``dynamic_dims``) dynamic; return its outputs, or
+  None if it failed, with ``last_failure`` saying why: ca_core then runs the
+  backward eagerly and calls ``report_fallback`` (and marks the entry failed)
+  only if eager succeeds; an error eager raises too was the user's and leaves
+  the entry usable. An exception clearly raised by user code the graph calls
+  (a hook, a Function's backward) is re-raised at once, unchanged.
 - ``report_fallback(node, reason)``: ca_core could not even walk the graph.
 - ``proxy_call_backward(...)``: torch's PyNode calls this on the installed
   compiler object when a Python Function's node is applied through
@@ -117,6 +119,11 @@ class Runtime:
         self.compiler_fn = compiler_fn
         self.description = description
         self.last_graph: torch.fx.GraphModule | None = None
+        #: The reason of the last fallback warned about; ca_core stores it on
+        #: the failed cache entry (``cache_info()``).
+        self.last_failure = ""
+        #: Which cache it serves; see [Note: One cache per compiler] in ca_core.
+        self.compiler_key = "default"
 
     def capture(
         self, graph: ca_core.BackwardGraph
@@ -175,7 +182,9 @@ class Runtime:
         except Exception as e:
             if _raised_by_user_code(e):
                 raise
-            self._fallback("compiled graph", "first run failed: " + _describe(e))
+            # ca_core runs this backward eagerly and calls report_fallback only
+            # if eager succeeds (see [Note: Whose failure] in ca_core).
+            self.last_failure = "first run failed: " + _describe(e)
             return None
 
     @staticmethod
@@ -216,9 +225,9 @@ class Runtime:
             return grads if isinstance(grads, tuple) else (grads,)
         return call_backward(ctx, list(saved_tensors), *inputs)
 
-    @staticmethod
-    def _fallback(node: str, reason: str) -> None:
+    def _fallback(self, node: str, reason: str) -> None:
         first_line = reason.strip().splitlines()[0] if reason.strip() else reason
+        self.last_failure = f"{node}: {first_line}"
         message = (
             f"ca_runtime: {node} cannot be compiled ({first_line}); "
             "this backward runs on the eager engine"

@@ -1,0 +1,185 @@
+"""Eager parity: one cache per compiler, and user errors that change nothing (issue 12, points 1-2)."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+
+import ca_runtime
+import pytest
+import torch
+from ca_testkit import compare
+
+# --- the cache knows its compiler (see [Note: One cache per compiler]) ---
+
+
+def test_each_compiler_has_its_own_cache() -> None:
+    calls: list[str] = []
+
+    def compiler_a(gm: torch.fx.GraphModule):
+        calls.append("a")
+        return gm
+
+    def compiler_b(gm: torch.fx.GraphModule):
+        calls.append("b")
+        return gm
+
+    lin = torch.nn.Linear(3, 2)
+    x = torch.randn(4, 3)
+    lin(x).sum().backward()  # .grad defined from here on: one key path throughout
+    for compiler in (compiler_a, compiler_b, compiler_a, "eager", "eager"):
+        with ca_runtime.enable(compiler):
+            lin.zero_grad(set_to_none=False)
+            lin(x).sum().backward()
+    assert calls == ["a", "b"]  # the second compiler_a backward is a hit
+    stats = ca_runtime.stats()
+    assert stats["captures"] == 3 and stats["cache_hits"] == 2, stats
+    by_compiler = {e.compiler: e.hits for e in ca_runtime.cache_info()}
+    assert by_compiler["backend:eager"] == 1
+    assert sorted(by_compiler[k] for k in by_compiler if k.startswith("callable:")) == [0, 1]
+
+
+def test_a_dead_compiler_fn_drops_its_cache() -> None:
+    lin = torch.nn.Linear(3, 2)
+    with ca_runtime.enable(lambda gm: gm):
+        lin(torch.randn(2, 3)).sum().backward()
+    import gc
+
+    gc.collect()
+    assert [e for e in ca_runtime.cache_info() if e.compiler.startswith("callable:")] == []
+
+
+@pytest.mark.inductor
+def test_aot_eager_then_inductor_compiles_with_inductor() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    x = torch.randn(4, 8)
+
+    def step() -> None:
+        model.zero_grad(set_to_none=False)
+        model(x).sum().backward()
+
+    for backend in ("aot_eager", "inductor"):
+        result = compare(step, backend, tensors=model, steps=1)
+        result.assert_ok()
+    with ca_runtime.enable("aot_eager"):
+        step()
+    with ca_runtime.enable("inductor"):
+        step()
+    compilers = {e.compiler for e in ca_runtime.cache_info()}
+    assert compilers == {"backend:aot_eager", "backend:inductor"}
+    assert ca_runtime.stats()["captures"] == 2
+
+
+# --- user errors change nothing (see [Note: Whose failure]) ---
+
+
+class _WrongCount(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[override]
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return grad, grad
+
+
+class _RightCount(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[override]
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return grad * 2
+
+
+def _backward_twice(w: torch.Tensor, mistake: bool) -> None:
+    loss = (w * w).sin().sum()
+    loss.backward()
+    if mistake:
+        loss.backward()
+
+
+def _modified_in_place(w: torch.Tensor, mistake: bool) -> None:
+    y = w.sin()
+    z = y * y
+    if mistake:
+        y.add_(1)
+    z.sum().backward()
+
+
+def _hook_raises_inside_torch(w: torch.Tensor, mistake: bool) -> None:
+    y = w * 2
+    y.register_hook(lambda g: torch.nn.functional.softmax(g, dim=5 if mistake else 0))
+    y.sum().backward()
+
+
+def _hook_raises(w: torch.Tensor, mistake: bool) -> None:
+    def hook(g: torch.Tensor) -> torch.Tensor:
+        if mistake:
+            raise ValueError("the user's hook refuses")
+        return g
+
+    y = w * 2
+    y.register_hook(hook)
+    y.sum().backward()
+
+
+def _hook_changes_shape(w: torch.Tensor, mistake: bool) -> None:
+    y = w * 2
+    y.register_hook(lambda g: g[:2] if mistake else g * 1)
+    y.sum().backward()
+
+
+def _function_returns_too_many(w: torch.Tensor, mistake: bool) -> None:
+    (_WrongCount if mistake else _RightCount).apply(w).sum().backward()
+
+
+MISTAKES: dict[str, Callable[[torch.Tensor, bool], None]] = {
+    "backward twice": _backward_twice,
+    "saved tensor modified in place": _modified_in_place,
+    "hook raises inside torch": _hook_raises_inside_torch,
+    "hook raises": _hook_raises,
+    "hook changes the grad's shape": _hook_changes_shape,
+    "Function returns too many grads": _function_returns_too_many,
+}
+
+
+def _error_of(fn: Callable[[], None]) -> tuple[str, str]:
+    with pytest.raises(Exception) as info:
+        fn()
+    return type(info.value).__name__, str(info.value).splitlines()[0]
+
+
+@pytest.mark.parametrize("mistake", list(MISTAKES))
+def test_user_error_raises_eagers_error_and_changes_nothing(backend: str, mistake: str) -> None:
+    step = MISTAKES[mistake]
+    with ca_runtime.disable():
+        eager_error = _error_of(lambda: step(torch.randn(3, requires_grad=True), True))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ca_runtime.EagerFallbackWarning)
+        with ca_runtime.enable(backend):
+            assert _error_of(lambda: step(torch.randn(3, requires_grad=True), True)) == eager_error
+            after_error = ca_runtime.stats()
+            # The same program without the mistake: captured or served, never eager.
+            for _ in range(2):
+                step(torch.randn(3, requires_grad=True), False)
+    stats = ca_runtime.stats()
+    assert stats["eager_fallbacks"] == 0, stats
+    assert stats["captures"] + stats["cache_hits"] >= after_error["captures"] + after_error["cache_hits"] + 2
+    assert not any(e.failed for e in ca_runtime.cache_info()), ca_runtime.cache_info()
+
+
+def test_failed_entries_show_their_reason_and_can_be_retried() -> None:
+    def broken(gm: torch.fx.GraphModule):
+        raise RuntimeError("this compiler is broken today")
+
+    x = torch.randn(3, requires_grad=True)
+    with pytest.warns(ca_runtime.EagerFallbackWarning):
+        with ca_runtime.enable(broken):
+            (x * 2).sum().backward()
+    (entry,) = ca_runtime.cache_info()
+    assert entry.failed and "this compiler is broken today" in entry.failure, entry
+    ca_runtime.cache_clear_failed()
+    assert not any(e.failed for e in ca_runtime.cache_info())
