@@ -5,6 +5,7 @@
 #include "ca_core.h"
 #include "tensor_caster.h"
 
+#include <torch/csrc/autograd/anomaly_mode.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/input_buffer.h>
 
@@ -62,6 +63,14 @@ graph's first run that fails (run_first returns None) is judged the same way,
 except for exceptions the runtime can already tell came from user code, which
 propagate at once (the graph ran part of the user's hooks: running them again
 eagerly would repeat their side effects).
+
+[Note: Anomaly mode]
+Under torch.autograd.detect_anomaly() / set_detect_anomaly(True) the eager
+engine checks every node's outputs for NaN, names the node and output in its
+error and prints the forward traceback of the failing node. A compiled graph
+has no per-node boundary to check at, so such a backward runs on the eager
+engine, silently (anomaly mode is a debugging mode; speed does not matter
+there): it is counted in eager_fallbacks, and no warning is given.
 
 [Note: Eager fallback]
 A backward that cannot be compiled runs on the eager engine from inside the
@@ -399,6 +408,11 @@ variable_list compiled_backward_with_gil(
   if (t_hook_depth > 0 || g_runtime == nullptr) {
     // A backward started inside a compiled backward (hooks, checkpoint) runs
     // eagerly; the outer one keeps its state.
+    return run_eager(root, graph_task);
+  }
+  if (torch::autograd::AnomalyMode::is_enabled()) {
+    // See [Note: Anomaly mode].
+    ++g_counters.eager_fallbacks;
     return run_eager(root, graph_task);
   }
   DepthGuard depth;

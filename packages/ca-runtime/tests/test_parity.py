@@ -183,3 +183,29 @@ def test_failed_entries_show_their_reason_and_can_be_retried() -> None:
     assert entry.failed and "this compiler is broken today" in entry.failure, entry
     ca_runtime.cache_clear_failed()
     assert not any(e.failed for e in ca_runtime.cache_info())
+
+
+# --- anomaly mode (see [Note: Anomaly mode]) ---
+
+
+def _nan_backward() -> None:
+    x = torch.tensor([0.0, 1.0], requires_grad=True)
+    (x.sqrt() / x).sum().backward()  # 0/0 in DivBackward0
+
+
+def test_anomaly_mode_raises_eagers_error_naming_the_node(backend: str) -> None:
+    with ca_runtime.disable(), torch.autograd.detect_anomaly(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        eager_error = _error_of(_nan_backward)
+    assert "DivBackward0" in eager_error[1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # detect_anomaly's own notice and traceback
+        warnings.simplefilter("error", ca_runtime.EagerFallbackWarning)
+        with ca_runtime.enable(backend):
+            with torch.autograd.detect_anomaly():
+                assert _error_of(_nan_backward) == eager_error
+            assert ca_runtime.stats()["eager_fallbacks"] == 1
+            w = torch.randn(3, requires_grad=True)
+            (w * 2).sum().backward()  # out of anomaly mode: compiled again
+    stats = ca_runtime.stats()
+    assert stats["captures"] == 1 and stats["eager_fallbacks"] == 1, stats
