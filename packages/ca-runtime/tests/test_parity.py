@@ -209,3 +209,35 @@ def test_anomaly_mode_raises_eagers_error_naming_the_node(backend: str) -> None:
             (w * 2).sum().backward()  # out of anomaly mode: compiled again
     stats = ca_runtime.stats()
     assert stats["captures"] == 1 and stats["eager_fallbacks"] == 1, stats
+
+
+# --- warnings raised during the backward ---
+
+
+class _WarnsInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[override]
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        warnings.warn("backward of _WarnsInBackward says hi")
+        return grad * 2
+
+
+def test_a_warning_from_the_backward_reaches_the_user_once_per_backward(backend: str) -> None:
+    def three_steps() -> list[str]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(3):
+                w = torch.randn(3, requires_grad=True)
+                _WarnsInBackward.apply(w).sum().backward()
+        return [str(c.message) for c in caught if "_WarnsInBackward" in str(c.message)]
+
+    with ca_runtime.disable():
+        eager = three_steps()
+    with ca_runtime.enable(backend):
+        ours = three_steps()
+    assert ours == eager == ["backward of _WarnsInBackward says hi"] * 3
+    stats = ca_runtime.stats()
+    assert stats["captures"] >= 1 and stats["eager_fallbacks"] == 0, stats
