@@ -72,3 +72,61 @@ def test_unknown_impl_is_a_clear_error(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(_PASSING)
     result = pytester.runpytest_subprocess("--ca-impl", "nope")
     result.stdout.fnmatch_lines(["*ValueError: impl: unknown implementation 'nope'*"])
+
+
+_SUITE = '''
+import ca_runtime
+import pytest
+import torch
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_grads(n):
+    w = torch.ones(3, requires_grad=True)
+    (w * w * n).sum().backward()
+    assert torch.equal(w.grad, torch.full((3,), 2.0 * n))
+
+
+def test_backward_twice_raises():
+    w = torch.ones(3, requires_grad=True)
+    loss = (w * w).sum()
+    loss.backward()
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        loss.backward()
+
+
+def test_sees_ca():
+    w = torch.ones(3, requires_grad=True)
+    before = ca_runtime.stats()["captures"]
+    (w * 2).sum().backward()
+    assert ca_runtime.stats()["captures"] == before, "captured"
+'''
+
+
+def test_ca_wrap_runs_every_test_twice_and_reports_differences(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(_SUITE)
+    json_path = pytester.path / "wrap.json"
+    result = pytester.runpytest_subprocess("--ca-wrap=eager", f"--ca-wrap-json={json_path}", "-p", "no:cacheprovider")
+    # 4 tests x 2 modes; test_sees_ca fails only when wrapped.
+    result.assert_outcomes(passed=7, failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*ca-wrap (eager)*",
+            "1 of 4 tests behave differently under ca_runtime.enable('eager')",
+            "*test_sees_ca: value mismatch; eager passed; ca failed (AssertionError: captured*; captures 1, eager fallbacks 0",
+        ]
+    )
+    import json
+
+    report = json.loads(json_path.read_text())
+    assert report["backend"] == "eager"
+    assert [d["test"].split("::")[-1] for d in report["differences"]] == ["test_sees_ca"]
+    assert report["differences"][0]["captures"] == 1
+
+
+def test_ca_wrap_under_xdist(pytester: pytest.Pytester) -> None:
+    pytest.importorskip("xdist")
+    pytester.makepyfile(_SUITE)
+    result = pytester.runpytest_subprocess("--ca-wrap", "-n", "2", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=7, failed=1)
+    result.stdout.fnmatch_lines(["1 of 4 tests behave differently under ca_runtime.enable('aot_eager')"])

@@ -11,7 +11,9 @@ test runs. The work is in ``ca_testkit.runner``.
     @pytest.mark.ca_compare(backend="eager", impl="both", steps=3)
     def test_both(ca_compare): ...
 
-Command line: ``--ca-backend NAME`` and ``--ca-impl ca|torch|both``.
+Command line: ``--ca-backend NAME`` and ``--ca-impl ca|torch|both``;
+``--ca-wrap[=BACKEND]`` (and ``--ca-wrap-json PATH``) runs a whole suite
+eagerly and under compiled autograd, see ``ca_testkit.wrap``.
 """
 
 from __future__ import annotations
@@ -33,9 +35,23 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default="ca",
         help="compiled autograd to check: ca, torch, both or a comma list (default ca)",
     )
+    group.addoption(
+        "--ca-wrap",
+        nargs="?",
+        const="aot_eager",
+        default=None,
+        metavar="BACKEND",
+        help="run every test twice, as written and inside ca_runtime.enable(BACKEND) "
+        "(default aot_eager), and report the tests whose outcome differs",
+    )
+    group.addoption("--ca-wrap-json", default=None, metavar="PATH", help="write --ca-wrap's differences as JSON")
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("--ca-wrap", None):
+        from ca_testkit.wrap import WrapPlugin
+
+        config.pluginmanager.register(WrapPlugin(config), "ca_testkit_wrap")
     config.addinivalue_line(
         "markers",
         "ca_compare(backend=None, impl=None, steps=None, rtol=None, atol=None): "
@@ -59,3 +75,11 @@ def ca_compare(request: pytest.FixtureRequest) -> Any:
     impls = parse_impls(settings.pop("impl", None) or request.config.getoption("--ca-impl"))
     kwargs = {k: v for k, v in settings.items() if v is not None}
     return CompareRunner(backend=backend, impls=impls, **kwargs)
+
+
+@pytest.fixture
+def _ca_wrap(request: pytest.FixtureRequest) -> Any:
+    """Innermost fixture of every test under ``--ca-wrap``: the test body runs eagerly or inside ``enable()``."""
+    from ca_testkit.wrap import wrapped_run
+
+    yield from wrapped_run(request, request.config.getoption("--ca-wrap"))
