@@ -74,24 +74,17 @@ def test_aot_eager_then_inductor_compiles_with_inductor() -> None:
 # --- user errors change nothing (see [Note: Whose failure]) ---
 
 
-class _WrongCount(torch.autograd.Function):
+class _Doubles(torch.autograd.Function):
+    """x * 2; with ``too_many`` its backward returns one grad more than it has inputs."""
+
     @staticmethod
-    def forward(ctx, x):  # type: ignore[override]
+    def forward(ctx, x, too_many: bool):  # type: ignore[override]
+        ctx.too_many = too_many
         return x * 2
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        return grad, grad
-
-
-class _RightCount(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):  # type: ignore[override]
-        return x * 2
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        return grad * 2
+        return (grad * 2, None, grad) if ctx.too_many else (grad * 2, None)
 
 
 def _backward_twice(w: torch.Tensor, mistake: bool) -> None:
@@ -133,7 +126,7 @@ def _hook_changes_shape(w: torch.Tensor, mistake: bool) -> None:
 
 
 def _function_returns_too_many(w: torch.Tensor, mistake: bool) -> None:
-    (_WrongCount if mistake else _RightCount).apply(w).sum().backward()
+    _Doubles.apply(w, mistake).sum().backward()
 
 
 MISTAKES: dict[str, Callable[[torch.Tensor, bool], None]] = {
