@@ -130,9 +130,10 @@ struct BackwardState {
   bool accumulate_grad = true;
   /// Grad mode of the backward (create_graph=True).
   bool create_graph = false;
-  /// Some leaf's variable is lifted (see [Note: Leaves accumulated in the
-  /// graph]): without create_graph, non-leaf lifted tensors go in detached.
-  bool lifts_leaf_variables = false;
+  /// Some leaf with post-accumulate-grad hooks lifts its variable (see
+  /// [Note: Leaves accumulated in the graph]): its hooks may mutate it, so
+  /// without create_graph non-leaf lifted tensors go in detached.
+  bool leaf_hooks_in_graph = false;
   /// Per size input of this backward: dynamic in the graph being captured.
   std::vector<bool> dynamic_sizes;
   /// (lifted tensor, dim) pairs whose extent changed since the last capture:

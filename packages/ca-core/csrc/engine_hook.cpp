@@ -181,7 +181,7 @@ GraphArgs lift_args(const BackwardState& state) {
   const size_t num_tensors = state.lifted_tensors.size();
   args.tensors = nb::steal<nb::list>(check_py(PyList_New(static_cast<Py_ssize_t>(num_tensors))));
   // See [Note: Leaves accumulated in the graph] for the detach.
-  const bool detach_non_leaves = state.lifts_leaf_variables && !state.create_graph;
+  const bool detach_non_leaves = state.leaf_hooks_in_graph && !state.create_graph;
   for (size_t i = 0; i < num_tensors; ++i) {
     const at::Tensor& t = state.lifted_tensors[i];
     PyList_SET_ITEM(

@@ -50,12 +50,17 @@ AccumulateGrad's tensors are not graph inputs (the node runs after the graph),
 except the variable of a leaf with post-accumulate-grad hooks.
 
 [Note: Leaves accumulated in the graph]
-A leaf with post-accumulate-grad hooks (DDP's python_reducer all-reduce, an
-optimizer step in a hook) and no grad_fn pre-hooks has its variable lifted
-(NodeInfo.tensor_slots[0]) and its hooks listed (NodeInfo.post_acc_grad_hooks),
-so that the graph accumulates it with torch.ops.inductor.accumulate_grad_ at
-its eager position and calls the hooks after it, traced by Dynamo as torch's
-compiled autograd does. Its real node does not run. If it also has grad_fn
+A leaf without grad_fn pre-hooks has its variable lifted (NodeInfo.tensor_slots[0],
+unused graph inputs cost nothing once the capture drops them) and its
+post-accumulate-grad hooks listed (NodeInfo.post_acc_grad_hooks). The capture
+accumulates such a leaf inside the graph, with torch.ops.inductor.accumulate_grad_
+at its eager position, when eager order is observable: it has
+post-accumulate-grad hooks (DDP's python_reducer all-reduce, an optimizer step
+in a hook), traced after it as torch's compiled autograd does, or user code
+(a hook, a Function's backward, FSDP2's post-backward) runs after it and may
+read its .grad. Its real node does not run then. Every other leaf stays a
+graph output, accumulated by its real node after the graph (which can steal
+the grad instead of copying it). If it also has grad_fn
 post hooks (the C++ DDP Reducer's autograd_hook, registered even with the
 python_reducer, where it returns at once), its input grad is still a leaf
 output and run_leaf_post_hooks calls just those hooks after the graph, as
@@ -191,7 +196,7 @@ void BackwardState::reset() {
   keep_graph = false;
   accumulate_grad = true;
   create_graph = false;
-  lifts_leaf_variables = false;
+  leaf_hooks_in_graph = false;
   dynamic_sizes.clear();
   dynamic_dims.clear();
   miss_node = -1;
@@ -612,11 +617,12 @@ BackwardStatePtr walk_graph(
         args.collect_size(ns.collected->sv_to_hooks.size());
         ns.num_apply_sizes =
             static_cast<uint32_t>(ns.collected->all_size_inputs.size());
-        // A leaf with post-accumulate-grad hooks (and no grad_fn pre-hooks)
-        // lifts its variable: the graph accumulates it and calls the hooks;
-        // see [Note: Leaves accumulated in the graph].
-        const bool lifts_variable = ns.is_accumulate_grad &&
-            !call.post_acc_grad_hooks.empty() && fn->pre_hooks().empty() &&
+        // A leaf without grad_fn pre-hooks, and without C++ post hooks unless
+        // it has post-accumulate-grad hooks, lifts its variable: the graph may
+        // accumulate it at its eager position; see [Note: Leaves accumulated
+        // in the graph].
+        const bool lifts_variable = ns.is_accumulate_grad && fn->pre_hooks().empty() &&
+            (fn->post_hooks().empty() || !call.post_acc_grad_hooks.empty()) &&
             !ns.collected->tensor_args.inputs.empty();
         if (lifts_variable) {
           const at::Tensor& variable = ns.collected->tensor_args.inputs.front();
@@ -627,7 +633,7 @@ BackwardStatePtr walk_graph(
           }
           ns.tensor_slots.push_back(*slot);
           args.collect_size(*slot);
-          state->lifts_leaf_variables = true;
+          state->leaf_hooks_in_graph |= !call.post_acc_grad_hooks.empty();
         }
         if (!ns.is_accumulate_grad) {
           const auto& tensors = ns.collected->tensor_args.inputs;

@@ -353,3 +353,24 @@ def test_optimizer_in_backward_hooks_are_traced_into_the_graph(backend: str) -> 
     _assert_captured(result.stats)
     graph = ca_runtime.last_graph()
     assert graph is not None and graph.code.count("_accumulate_leaf(") == 4, graph.code
+
+
+def test_a_hook_reading_a_leaf_grad_mid_backward_sees_eagers_value(backend: str) -> None:
+    """The leaf is accumulated at its eager position, before the hook that runs after it."""
+    w = torch.randn(3, requires_grad=True)
+    x = torch.randn(3, requires_grad=True)
+    seen: list[torch.Tensor | None] = []
+
+    def step() -> list[torch.Tensor | None]:
+        seen.clear()
+        c = x.sin()  # lower sequence number: its SinBackward0 runs after w's AccumulateGrad
+        a = w * 2
+        c.grad_fn.register_prehook(lambda grads: seen.append(None if w.grad is None else w.grad.clone()))
+        (a.sum() + c.sum()).backward()
+        return list(seen)
+
+    result = compare(step, backend, tensors=[w, x], steps=3)
+    result.assert_ok()
+    _assert_captured(result.stats)
+    graph = ca_runtime.last_graph()
+    assert graph is not None and "_accumulate_leaf(" in graph.code

@@ -22,19 +22,18 @@ for become the graph's outputs::
 Function ctx objects) in walk order; NodeInfo gives each one's index.
 
 [Note: Leaf accumulation order]
-ca_core applies the graph's leaf grads through the real AccumulateGrad nodes
-after the graph has run (eager's stealing and layout rules, and the
-post-accumulate-grad hooks, for free). That moves a leaf's accumulation after
-every hook of the graph, except for a leaf whose only hooks are
-post-accumulate-grad hooks: the graph accumulates that one itself at its eager
-position and calls its hooks (``accumulate_leaf``, traced; see [Note: Leaves
-accumulated in the graph] in ca_core). Where another leaf's hook would then run
-after a hook or Function backward that eager runs after it, the leaf is
-accumulated inside the graph instead, at its eager position, behind a graph
-break (``accumulate_grad_now``). So is every leaf before a node whose rule
-says it reads leaf grads (``NodeRule.reads_leaf_grads``: FSDP2's
-post-backward). Reading a leaf's ``.grad`` from any other hook of a later
-node still sees the value before this backward: a known difference.
+A leaf is accumulated where eager accumulates it whenever that can be
+observed: if it has post-accumulate-grad hooks, or if user code (a hook, a
+Function's backward, FSDP2's post-backward) runs after it in the walk and may
+read its ``.grad``, the graph accumulates it itself at its eager position
+(``accumulate_leaf``, traced; see [Note: Leaves accumulated in the graph] in
+ca_core). Every other leaf's grad is a graph output that ca_core applies
+through the real AccumulateGrad node after the graph (eager's stealing and
+layout rules, no copy), where nothing can tell the difference. A leaf whose
+AccumulateGrad carries grad_fn pre-hooks or C++ post hooks (DDP's Reducer)
+keeps its real node: after the graph, or behind a graph break
+(``accumulate_grad_now``) at its eager position when a later hook must see it
+first (for a reader of leaf grads, ``NodeRule.reads_leaf_grads``, too).
 """
 
 from __future__ import annotations
@@ -133,13 +132,19 @@ def _runs_leaf_hooks(node: ca_core.NodeInfo) -> bool:
     return any(node.hooks.get(kind) for kind in ("pre", "post", "post_acc_grad"))
 
 
-def _accumulates_in_graph(node: ca_core.NodeInfo, graph: ca_core.BackwardGraph) -> bool:
-    """A leaf the graph accumulates itself; see [Note: Leaves accumulated in the graph] in ca_core."""
+def _accumulates_in_graph(
+    node: ca_core.NodeInfo, graph: ca_core.BackwardGraph, user_code_follows: bool
+) -> bool:
+    """A leaf the graph accumulates itself; see [Note: Leaves accumulated in the graph] in ca_core.
+
+    When it has post-accumulate-grad hooks, or when user code runs after it
+    (``user_code_follows``) and could read its ``.grad``.
+    """
     return bool(
         graph.accumulate_grad
         and not graph.create_graph
         and node.tensor_slots
-        and node.post_acc_grad_hooks
+        and (node.post_acc_grad_hooks or user_code_follows)
         and not node.hooks.get("pre")
     )
 
@@ -244,10 +249,8 @@ def build_graph_module(graph: ca_core.BackwardGraph) -> Capture:
             continue
         rule = rule_for(node)
         if rule.handling is Handling.ACCUMULATE:
-            if node.index < last_reader:
-                graph_break(node, f"{nodes[last_reader].name} reads this leaf's .grad later")
-                fx.call_function(ops.accumulate_grad_now, (node.index, buffer[0]))
-            elif _accumulates_in_graph(node, graph):
+            user_code_follows = node.index < max(last_effect, last_reader)
+            if _accumulates_in_graph(node, graph, user_code_follows):
                 fx.call_function(
                     ops.accumulate_leaf,
                     (
@@ -260,6 +263,9 @@ def build_graph_module(graph: ca_core.BackwardGraph) -> Capture:
                     capture.leaf_outputs.append(node.index)
                     capture.leaf_hooks_only.append(True)
                     leaf_grads.append(buffer[0])
+            elif node.index < last_reader:
+                graph_break(node, f"{nodes[last_reader].name} reads this leaf's .grad later")
+                fx.call_function(ops.accumulate_grad_now, (node.index, buffer[0]))
             elif _runs_leaf_hooks(node) and node.index < last_effect:
                 graph_break(node, "a leaf's hooks must run before later hooks")
                 fx.call_function(ops.accumulate_grad_now, (node.index, buffer[0]))
