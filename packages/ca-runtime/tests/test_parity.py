@@ -234,3 +234,46 @@ def test_a_warning_from_the_backward_reaches_the_user_once_per_backward(backend:
     assert ours == eager == ["backward of _WarnsInBackward says hi"] * 3
     stats = ca_runtime.stats()
     assert stats["captures"] >= 1 and stats["eager_fallbacks"] == 0, stats
+
+
+# --- lifetimes of saved tensors ---
+
+
+class _Square(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[override]
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        (x,) = ctx.saved_tensors
+        return 2 * x * grad
+
+
+def _saved_after_backward(retain_graph: bool) -> list[str]:
+    x = torch.randn(3, requires_grad=True)
+    y = _Square.apply(x * 1)
+    h = (x * 2).exp()  # ExpBackward0 saves its result
+    ctx, exp_node = y.grad_fn, h.grad_fn
+    (y.sum() + h.sum()).backward(retain_graph=retain_graph)
+    seen = []
+    for name, read in (("ctx.saved_tensors", lambda: ctx.saved_tensors), ("_saved_result", lambda: exp_node._saved_result)):
+        try:
+            read()
+            seen.append(f"{name}: alive")
+        except RuntimeError as e:
+            seen.append(f"{name}: {str(e).splitlines()[0]}")
+    return seen
+
+
+@pytest.mark.parametrize("retain_graph", [False, True])
+def test_saved_tensors_are_freed_as_eager_frees_them(backend: str, retain_graph: bool) -> None:
+    with ca_runtime.disable():
+        eager = _saved_after_backward(retain_graph)
+    with ca_runtime.enable(backend):
+        ours = [_saved_after_backward(retain_graph) for _ in range(2)]
+    assert ours == [eager, eager]
+    assert all(s.endswith("alive") for s in eager) == retain_graph
+    stats = ca_runtime.stats()
+    assert stats["captures"] >= 1 and stats["eager_fallbacks"] == 0, stats
