@@ -130,3 +130,38 @@ def test_ca_wrap_under_xdist(pytester: pytest.Pytester) -> None:
     result = pytester.runpytest_subprocess("--ca-wrap", "-n", "2", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=7, failed=1)
     result.stdout.fnmatch_lines(["1 of 4 tests behave differently under ca_runtime.enable('aot_eager')"])
+
+
+_UNITTEST_SUITE = '''
+import unittest
+
+import ca_runtime
+import torch
+
+
+class Grads(unittest.TestCase):
+    def setUp(self):
+        self.w = torch.ones(3, requires_grad=True)
+
+    def test_grad(self):
+        (self.w * 3).sum().backward()
+        self.assertTrue(torch.equal(self.w.grad, torch.full((3,), 3.0)))
+
+    def test_sees_ca(self):
+        served = lambda: ca_runtime.stats()["captures"] + ca_runtime.stats()["cache_hits"]
+        before = served()
+        (self.w * 2).sum().backward()
+        self.assertEqual(served(), before)
+'''
+
+
+def test_ca_wrap_runs_unittest_methods_twice(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(_UNITTEST_SUITE)
+    result = pytester.runpytest_subprocess("--ca-wrap=eager", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=3, failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "1 of 2 tests behave differently under ca_runtime.enable('eager')",
+            "*Grads::test_sees_ca: value mismatch; eager passed; ca failed (AssertionError*; captures *, eager fallbacks 0",
+        ]
+    )

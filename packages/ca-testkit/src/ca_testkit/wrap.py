@@ -3,11 +3,13 @@
 Every pytest test function runs twice, as written (``[ca-wrap-eager]``) and
 with its body inside ``ca_runtime.enable(BACKEND)`` (``[ca-wrap-ca]``); the
 wrapping fixture is the innermost one, so the test's own fixtures are set up
-as usual. At the end the tests whose two outcomes differ are listed in the
-terminal summary, each with a reason category and the captures and eager
-fallbacks of its wrapped run, and written to ``--ca-wrap-json PATH``. Works
-under pytest-xdist: outcomes travel with the test reports. unittest.TestCase
-tests are not parametrised by pytest and run once, as written.
+as usual. unittest.TestCase methods, which pytest does not parametrise, get
+a twin item (``[ca-wrap-ca]``) that runs the method (setUp and tearDown
+included) inside ``enable()``. At the end the tests whose two outcomes differ
+are listed in the terminal summary, each with a reason category and the
+captures and eager fallbacks of its wrapped run, and written to
+``--ca-wrap-json PATH``. Works under pytest-xdist: outcomes travel with the
+test reports.
 """
 
 from __future__ import annotations
@@ -70,6 +72,18 @@ def categorize(eager: Outcome, ca: Outcome) -> str | None:
     return "different error"
 
 
+#: Mode of a unittest item under --ca-wrap ("eager" or "ca").
+_UNITTEST_MODE = pytest.StashKey[str]()
+
+
+@dataclass
+class _UnittestRequest:
+    """What wrapped_run reads from a fixture request, for a unittest item."""
+
+    node: pytest.Item
+    param: str
+
+
 def wrapped_run(request: pytest.FixtureRequest, backend: str) -> Iterator[None]:
     """The ``_ca_wrap`` fixture's body (the fixture itself lives in ``ca_testkit.plugin``)."""
     mode = request.param
@@ -105,12 +119,37 @@ class WrapPlugin:
         metafunc.parametrize("_ca_wrap", _MODES, indirect=True, ids=[f"ca-wrap-{m}" for m in _MODES])
 
     def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
-        # pytest prunes the closure back to what the test asks for after
-        # parametrising: request the wrapping fixture again, last (innermost).
+        from _pytest.unittest import TestCaseFunction
+
+        wrapped: list[pytest.Item] = []
         for item in items:
+            wrapped.append(item)
             callspec = getattr(item, "callspec", None)
             if callspec is not None and "_ca_wrap" in callspec.params and "_ca_wrap" not in item.fixturenames:
+                # pytest prunes the closure back to what the test asks for after
+                # parametrising: request the wrapping fixture again, last (innermost).
                 item.fixturenames.append("_ca_wrap")
+            elif isinstance(item, TestCaseFunction):
+                # unittest methods are not parametrised: a second item runs
+                # the same method wrapped (see pytest_runtest_call).
+                twin = TestCaseFunction.from_parent(item.parent, name=item.name)
+                twin._nodeid = item.nodeid + "[ca-wrap-ca]"
+                item.stash[_UNITTEST_MODE] = "eager"
+                twin.stash[_UNITTEST_MODE] = "ca"
+                wrapped.append(twin)
+        items[:] = wrapped
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_call(self, item: pytest.Item) -> Iterator[None]:
+        mode = item.stash.get(_UNITTEST_MODE, None)
+        if mode is None:
+            yield
+            return
+        request = _UnittestRequest(item, mode)
+        runs = wrapped_run(request, self.backend)  # type: ignore[arg-type]
+        next(runs)
+        yield
+        next(runs, None)
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         props = dict(report.user_properties)
