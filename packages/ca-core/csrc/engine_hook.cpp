@@ -13,6 +13,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
 #include <optional>
 
 namespace ca {
@@ -374,11 +375,12 @@ void run_final_callbacks(GraphTask& task) {
   }
 }
 
-/// What capture() returns: (compiled, leaf_outputs[, leaf_hooks_only]).
+/// What capture() returns: (compiled, leaf_outputs, leaf_hooks_only).
 struct Captured {
   nb::object compiled;
   std::vector<uint32_t> leaf_outputs;
   /// Per leaf output: the graph accumulated it; only its post hooks run.
+  /// Empty when none is (the common case), so a cache hit copies nothing.
   std::vector<bool> hooks_only;
 };
 
@@ -387,14 +389,16 @@ std::optional<Captured> unpack_capture(nb::handle result) {
   if (result.is_none()) {
     return std::nullopt;
   }
-  nb::tuple pair = nb::cast<nb::tuple>(result);
-  const size_t n = nb::len(pair);
+  nb::tuple triple = nb::cast<nb::tuple>(result);
   TORCH_CHECK(
-      n == 2 || n == 3,
-      "ca_core: capture() must return (compiled, leaf_outputs[, leaf_hooks_only]) or None");
-  Captured out{nb::borrow(pair[0]), nb::cast<std::vector<uint32_t>>(pair[1]), {}};
-  if (n == 3) {
-    out.hooks_only = nb::cast<std::vector<bool>>(pair[2]);
+      nb::len(triple) == 3,
+      "ca_core: capture() must return (compiled, leaf_outputs, leaf_hooks_only) or None");
+  Captured out{
+      nb::borrow(triple[0]),
+      nb::cast<std::vector<uint32_t>>(triple[1]),
+      nb::cast<std::vector<bool>>(triple[2])};
+  if (std::find(out.hooks_only.begin(), out.hooks_only.end(), true) == out.hooks_only.end()) {
+    out.hooks_only.clear();
   }
   return out;
 }
