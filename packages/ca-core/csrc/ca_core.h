@@ -165,6 +165,9 @@ struct ShadowNode {
   bool failed = false;
   /// Why it failed, in the runtime's words (empty while not failed).
   std::string failure;
+  /// A graph with dynamic sizes failed to compile here: sizes stay static
+  /// (one capture per new value); see [Note: Static when dynamic fails].
+  bool static_sizes = false;
   /// The compiled function has not completed a run yet.
   bool first_run = true;
   /// Backwards served by compiled_fn.

@@ -254,15 +254,17 @@ void choose_dynamic(
     const std::vector<int64_t>& sizes,
     BackwardState& state) {
   state.dynamic_sizes.assign(sizes.size(), false);
+  state.dynamic_dims.clear();
   const bool comparable = entry.expected_sizes.size() == sizes.size();
-  if (!comparable) {
+  if (!comparable || entry.static_sizes) {
+    // See [Note: Static when dynamic fails].
     return;
   }
   for (size_t i = 0; i < sizes.size(); ++i) {
     const bool was_dynamic =
         i < entry.dynamic_sizes.size() && entry.dynamic_sizes[i];
-    state.dynamic_sizes[i] = sizes[i] >= 0 &&
-        (was_dynamic || sizes[i] != entry.expected_sizes[i]);
+    state.dynamic_sizes[i] =
+        was_dynamic || sizes[i] != entry.expected_sizes[i];
   }
   if (entry.tensor_shapes.size() != state.lifted_tensors.size()) {
     return;
@@ -313,7 +315,9 @@ void explain_sizes(
           std::to_string(i) + " of " + owner.call.node->name() + " (node " +
           std::to_string(node - 1) + ") changed from " +
           std::to_string(entry.expected_sizes[i]) + " to " +
-          std::to_string(sizes[i]) + (sizes[i] >= 0 ? " and is now dynamic" : " (static: negative)");
+          std::to_string(sizes[i]) +
+          (entry.static_sizes ? " (sizes stay static here: a dynamic graph failed to compile)"
+                              : " and is now dynamic");
     }
   }
   if (shown > 3) {
@@ -322,14 +326,17 @@ void explain_sizes(
   state.miss_reason = reason;
 }
 
-/// The graph's `sizes` input: each dynamic size as an empty (0, size) tensor.
+/// The graph's `sizes` input: each dynamic size as an empty tensor, (0, size)
+/// or (0, 0, -size) for a negative one; see [Note: Signed dynamic sizes].
 nb::list dynamic_size_args(
     const std::vector<bool>& dynamic,
     const std::vector<int64_t>& sizes) {
   nb::list out;
   for (size_t i = 0; i < dynamic.size(); ++i) {
     if (dynamic[i]) {
-      out.append(nb::steal(wrap_tensor(at::empty({0, sizes[i]}))));
+      const int64_t s = sizes[i];
+      out.append(nb::steal(wrap_tensor(
+          s >= 0 ? at::empty({0, s}) : at::empty({0, 0, -s}))));
     }
   }
   return out;
@@ -470,17 +477,14 @@ variable_list compiled_backward_with_gil(
     leaf_hooks_only = entry->leaf_hooks_only;
     first_run = entry->first_run;
     state->dynamic_sizes = entry->dynamic_sizes;
-  } else {
-    explain_sizes(*entry, args.size_values, *state);
+  }
+  // Captures this backward into the entry; false if the capture failed.
+  auto capture = [&]() -> bool {
     choose_dynamic(*entry, args.size_values, *state);
     nb::object description = describe_backward(*state);
     auto captured = unpack_capture(runtime.attr("capture")(description));
     if (!captured) {
-      if (entry_alive()) {
-        mark_failed(*entry, runtime);
-      }
-      ++g_counters.eager_fallbacks;
-      return run_eager(root, graph_task);
+      return false;
     }
     ++g_counters.captures;
     compiled = std::move(captured->compiled);
@@ -496,6 +500,17 @@ variable_list compiled_backward_with_gil(
       entry->first_run = true;
     }
     first_run = true;
+    return true;
+  };
+  if (!hit) {
+    explain_sizes(*entry, args.size_values, *state);
+    if (!capture()) {
+      if (entry_alive()) {
+        mark_failed(*entry, runtime);
+      }
+      ++g_counters.eager_fallbacks;
+      return run_eager(root, graph_task);
+    }
   }
   args.sizes = dynamic_size_args(state->dynamic_sizes, args.size_values);
 
@@ -506,13 +521,27 @@ variable_list compiled_backward_with_gil(
       // returns None, and the backward runs eagerly. An exception raised by
       // user code (a hook, a Function's backward) propagates instead; see
       // [Note: Capture methods].
-      result = runtime.attr("run_first")(
-          compiled,
-          args.tensors,
-          args.sizes,
-          args.scalars,
-          args.hooks,
-          state->dynamic_dims);
+      auto run_first = [&] {
+        return runtime.attr("run_first")(
+            compiled,
+            args.tensors,
+            args.sizes,
+            args.scalars,
+            args.hooks,
+            state->dynamic_dims);
+      };
+      result = run_first();
+      const bool had_dynamic = !state->dynamic_dims.empty() ||
+          std::find(state->dynamic_sizes.begin(), state->dynamic_sizes.end(), true) !=
+              state->dynamic_sizes.end();
+      if (result.is_none() && had_dynamic && entry_alive()) {
+        // See [Note: Static when dynamic fails].
+        entry->static_sizes = true;
+        if (capture()) {
+          args.sizes = dynamic_size_args(state->dynamic_sizes, args.size_values);
+          result = run_first();
+        }
+      }
       if (result.is_none()) {
         // Eager decides whose failure it was: an error it raises too is the
         // user's and leaves the entry as it is; see [Note: Whose failure].

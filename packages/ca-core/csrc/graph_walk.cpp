@@ -87,8 +87,39 @@ changed are marked dynamic before its first run, so a later new value is a
 hit and Dynamo does not recompile either. At most one recapture per newly
 changed size. A dynamic size reaches the graph as an empty tensor of shape
 (0, size) whose dim 1 Dynamo treats as a SymInt (a plain int cannot be marked
-dynamic); the graph unwraps it with .size(1). Negative values (not shapes)
-stay static.
+dynamic); the graph unwraps it with .size(1). See [Note: Signed dynamic sizes]
+for sizes that are not shapes.
+
+[Note: Signed dynamic sizes]
+Not every SymInt a node visits is a shape: TrilBackward0's diagonal,
+RollBackward0's shifts, SelectBackward0's index and NarrowBackward0's start
+are SymInts too and may be negative. A cache hit must be correct for every
+value a dynamic size can take, so the encoding has to carry any int64 and the
+compiled graph must be guarded on every assumption it made about it:
+  - a negative size travels as an empty (0, 0, -size) tensor and unwrap_size
+    returns -t.size(2) for a rank-3 tensor. The rank is static to Dynamo, so a
+    graph compiled for one sign is guarded on it and Dynamo recompiles (inside
+    the same compiled_fn, no recapture) when the sign flips;
+  - Dynamo specialises a marked dim whose value is 0 or 1 and guards every
+    other symbol as >= 2, so 0 and 1 (and -1) are guarded the same way;
+  - everything else a graph assumes about a size (a relation between two of
+    them, a bound) is a Dynamo guard on these input tensors' shapes.
+A hit therefore never runs a graph outside what it was compiled for: it is
+either served by the graph Dynamo compiled for those values or recompiled.
+(Before this encoding a negative value on a dynamic size crashed the hit in
+at::empty; tests/test_size_guards.py runs the ops above through sequences of
+sizes and scalars, 0, 1 and negative ones included.)
+
+[Note: Static when dynamic fails]
+Some backward formulas cannot be traced with symbolic sizes in torch 2.13
+(UpsampleBilinear2DBackward0: aten.upsample_bilinear2d_backward has no
+symbolic meta, "Expected IntList but got GenericList"). When the first run
+of a graph captured with dynamic sizes or dims fails, the engine hook
+captures the same backward again with every size static and runs that
+instead, and the entry keeps its sizes static from then on
+(ShadowNode::static_sizes): each new value is a recapture, as Dynamo does
+without dynamic shapes, never an eager fallback. Only a failure of the static
+graph too is a fallback.
 
 [Note: Explained misses]
 When a node's key is new at a level of the tree that already has other
@@ -164,6 +195,7 @@ void ShadowNode::clear() {
   compiled_fn = nb::object();
   failed = false;
   failure.clear();
+  static_sizes = false;
   first_run = true;
   hits = 0;
   leaf_outputs.clear();

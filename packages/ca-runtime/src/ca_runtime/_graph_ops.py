@@ -121,8 +121,14 @@ def call_post_hook(
 
 
 def unwrap_size(size: torch.Tensor) -> int:
-    """A dynamic size, passed as an empty (0, size) tensor; see [Note: Dynamic sizes] in ca_core."""
-    return size.size(1)
+    """A dynamic size, passed as an empty (0, size) tensor, or (0, 0, -size) when negative.
+
+    See [Note: Signed dynamic sizes] in ca_core: the rank is static to Dynamo,
+    so the branch is a guard.
+    """
+    if size.dim() == 2:
+        return size.size(1)
+    return -size.size(2)
 
 
 def materialize_grad(

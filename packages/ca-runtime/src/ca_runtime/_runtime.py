@@ -174,7 +174,7 @@ class Runtime:
     ) -> Sequence[torch.Tensor | None] | None:
         # See [Note: Dynamic sizes] in ca_core: marks only matter while compiling.
         for size in sizes:
-            torch._dynamo.maybe_mark_dynamic(size, 1)
+            torch._dynamo.maybe_mark_dynamic(size, size.dim() - 1)
         for tensor_idx, dim in dynamic_dims:
             torch._dynamo.maybe_mark_dynamic(inputs[tensor_idx], dim)
         try:

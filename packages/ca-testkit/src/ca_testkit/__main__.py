@@ -1,7 +1,8 @@
 """``python -m ca_testkit``: the OpInfo sweep and the random-graph fuzzer.
 
     python -m ca_testkit sweep --backend aot_eager [--impl ca|torch] [--ops PATTERN]
-                               [--jobs N] [--samples K] --json out.json
+                               [--dtype float32,float64,complex64] [--samples K|all]
+                               [--every N] [--timeout SECONDS] [--jobs N] --json out.json
     python -m ca_testkit report a.json b.json [--markdown out.md]
     python -m ca_testkit fuzz --examples 5000 [--backend none|eager|aot_eager] [--seed N]
 """
@@ -15,28 +16,55 @@ from collections.abc import Sequence
 
 
 def _sweep(args: argparse.Namespace) -> int:
+    import time
+
     from ca_testkit import sweep
 
-    names = sweep.select_ops(args.ops)
-    if not names:
-        print(f"no op matches --ops {args.ops!r}", file=sys.stderr)
+    try:
+        dtypes = sweep.parse_dtypes(args.dtype)
+    except ValueError as e:
+        print(e, file=sys.stderr)
         return 2
+    tasks = sweep.select(args.ops, dtypes, args.every)
+    if not tasks:
+        print(f"no op matches --ops {args.ops!r} in {', '.join(dtypes)}", file=sys.stderr)
+        return 2
+    timeout = args.timeout if args.timeout > 0 else None
+    start = time.perf_counter()
     results = sweep.run_sweep(
-        names,
+        tasks,
         args.backend,
         args.impl,
         jobs=args.jobs,
         max_samples=args.samples,
-        progress=sys.stderr.isatty(),
+        timeout=timeout,
+        progress=True,
     )
-    print(f"OpInfo sweep: impl={args.impl} backend={args.backend} ops={len(names)}")
-    print(sweep.summary_table(results))
-    for r in results:
-        if r.result in ("mismatch", "error"):
-            print(f"  {r.result:<9} {r.op}: {r.detail}")
+    elapsed = time.perf_counter() - start
+    samples = "all" if args.samples is None else args.samples
+    print(
+        f"OpInfo sweep: impl={args.impl} backend={args.backend} dtypes={','.join(dtypes)} samples={samples} "
+        f"every={args.every} timeout={timeout} jobs={args.jobs} ({elapsed:.0f} s)"
+    )
+    print(sweep.summary(results))
     if args.json:
-        sweep.write_json(args.json, sweep.to_json(results, args.backend, args.impl))
+        settings = {"dtypes": list(dtypes), "samples": samples, "every": args.every, "timeout": timeout,
+                    "ops_pattern": args.ops, "seconds": round(elapsed, 1)}
+        sweep.write_json(args.json, sweep.to_json(results, args.backend, args.impl, **settings))
     return 0
+
+
+def _samples(text: str) -> int | None:
+    """``--samples``: a positive int, or ``all`` (None)."""
+    if text == "all":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive int or 'all', got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive int or 'all', got {text!r}")
+    return value
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -78,8 +106,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--backend", default="aot_eager", help="torch.compile backend (default aot_eager)")
     p.add_argument("--impl", default="ca", choices=["ca", "torch"], help="compiled autograd to check")
     p.add_argument("--ops", default="*", help="fnmatch pattern on op names (default all)")
+    p.add_argument("--dtype", default="float32",
+                   help="comma-separated dtypes, each swept on the ops supporting it (default float32)")
     p.add_argument("--jobs", type=int, default=1, help="worker processes (default 1)")
-    p.add_argument("--samples", type=int, default=2, help="sample inputs per op (default 2)")
+    p.add_argument("--samples", type=_samples, default=2, help="sample inputs per op, or 'all' (default 2)")
+    p.add_argument("--every", type=int, default=1,
+                   help="only every N-th op of the sorted selection (default 1: all)")
+    p.add_argument("--timeout", type=float, default=120.0,
+                   help="seconds per (op, dtype) before it is a timeout; 0 for none (default 120)")
     p.add_argument("--json", help="write the results as JSON here")
     p.set_defaults(run=_sweep)
 
@@ -98,6 +132,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if getattr(args, "jobs", 1) < 1:
         parser.error("--jobs must be >= 1")
+    if getattr(args, "every", 1) < 1:
+        parser.error("--every must be >= 1")
     return args.run(args)
 
 
