@@ -20,15 +20,54 @@ def test_planted_bug_is_found_and_shrunk() -> None:
     exec(compile(failing.snippet(), "<snippet>", "exec"), namespace)  # the snippet runs
 
 
-@pytest.mark.parametrize(("backend", "examples"), [("none", 300), ("eager", 15)])
+@pytest.mark.parametrize(("backend", "examples"), [("none", 300), ("eager", 15), ("aot_eager", 5)])
 def test_short_clean_budget(backend: str, examples: int) -> None:
     failing = fuzz.fuzz(examples, backend, seed=11)
     assert failing is None, repr(failing)
 
 
+def _every_op_program(variants: tuple[fuzz.Variant, ...] = (fuzz.Variant(),)) -> fuzz.Program:
+    steps = tuple(
+        fuzz.Step(op, (k,) * fuzz.OPS[op].arity, fuzz.HOOKS[k % len(fuzz.HOOKS)])
+        for k, op in enumerate(sorted(fuzz.OPS))
+    )
+    return fuzz.Program(
+        (True,), steps, (len(steps),), seed=3, leaf_hooks=(True,), module_hook=True, backwards=2, variants=variants
+    )
+
+
 def test_every_op_row_runs_and_reaches_the_leaf() -> None:
-    steps = tuple(fuzz.Step(op, (k,) * fuzz.OPS[op].arity) for k, op in enumerate(sorted(fuzz.OPS)))
-    program = fuzz.Program((True,), steps, (len(steps),), seed=3)
-    grads, _ = fuzz.run_program(program)
-    assert grads[1] is not None and {s.op for s in program.steps} == set(fuzz.OPS)
+    program = _every_op_program()
+    grads, log = fuzz.run_program(program)
+    assert grads[-1] is not None and {s.op for s in program.steps} == set(fuzz.OPS)
+    # Every hook kind fired: tensor, grad_fn pre/post, post-accumulate-grad, module.
+    assert {entry.split()[1] for entry in log if entry.startswith("h")} >= {"pre", "post"}
+    assert any(e.startswith("acc0") for e in log) and any(e.startswith("module") for e in log)
     assert fuzz.check_program(program, lambda gm: gm).ok
+
+
+def test_a_sequence_walks_the_cache(backend: str = "eager") -> None:
+    """Rows 0/1/5, negative scalars, .grad defined and hooks off between backwards of one cache."""
+    variants = (
+        fuzz.Variant(),
+        fuzz.Variant(rows=5, scalar=0.5, grad_defined=True),
+        fuzz.Variant(rows=1, scalar=-1.5, hooks=False),
+        fuzz.Variant(rows=0, scalar=1.0),
+        fuzz.Variant(rows=5, scalar=-1.5, grad_defined=True),
+        fuzz.Variant(rows=4, scalar=0.5, grad_defined=True),
+    )
+    result = fuzz.check_program(_every_op_program(variants), backend)
+    assert result.ok, result.report()
+    assert result.stats["eager_fallbacks"] == 0
+    assert result.stats["captures"] >= 2 and result.stats["cache_hits"] >= 1, result.stats
+
+
+def test_snippet_replays_the_program(capsys: pytest.CaptureFixture[str]) -> None:
+    program = fuzz.Program(
+        (True, False), (fuzz.Step("tril", (0,), "double"),), (2,),
+        variants=(fuzz.Variant(), fuzz.Variant(rows=1, scalar=-1.5)),
+    )
+    namespace: dict[str, object] = {}
+    exec(compile(program.snippet("none"), "<snippet>", "exec"), namespace)
+    out = capsys.readouterr().out
+    assert "0 of" in out and "step 1 compiled hook log: ['h0 (1, 4)']" in out

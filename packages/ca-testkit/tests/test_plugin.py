@@ -165,3 +165,28 @@ def test_ca_wrap_runs_unittest_methods_twice(pytester: pytest.Pytester) -> None:
             "*Grads::test_sees_ca: value mismatch; eager passed; ca failed (AssertionError*; captures *, eager fallbacks 0",
         ]
     )
+
+
+def test_plugin_loads_without_torch(pytester: pytest.Pytester) -> None:
+    """The pytest11 entry point imports neither torch nor ca_core: unrelated suites stay unaffected."""
+    pytester.makepyfile(
+        """
+        import sys
+
+        def test_nothing_heavy_was_imported():
+            assert "ca_testkit.plugin" in sys.modules  # the plugin did load
+            heavy = [m for m in ("torch", "ca_core", "ca_runtime", "ca_core._C") if m in sys.modules]
+            assert heavy == []
+        """
+    )
+    pytester.runpytest_subprocess("-p", "no:cacheprovider").assert_outcomes(passed=1)
+
+
+def test_public_names_resolve_lazily() -> None:
+    import ca_testkit
+
+    assert {name: getattr(ca_testkit, name) is not None for name in ca_testkit.__all__} == dict.fromkeys(
+        ca_testkit.__all__, True
+    )
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        ca_testkit.nope  # noqa: B018

@@ -1,12 +1,23 @@
-"""The random-graph fuzzer: hypothesis builds autograd graphs, eager is the oracle.
+"""The random-graph fuzzer: hypothesis builds autograd programs, eager is the oracle.
 
 A ``Program`` is a list of ``Step`` rows over a pool of tensors: a few leaves
-(shape 3x4, random ``requires_grad``) and a 4x4 weight, then ops that each
-append one tensor to the pool. Ops come from ``OPS``, a table of elementwise,
-matmul, reduction, broadcasting, view, indexing, in-place, ``detach`` and
-multi-output rows. Random tensor hooks are attached to intermediates, and the
-backward runs from one or more roots. ``Program.snippet()`` prints a runnable
-reproduction; hypothesis shrinks a failing program to a minimal one.
+(shape ``rows x 4``, random ``requires_grad``), a 4x4 weight ``W`` and a
+``Linear(4, 4)`` module ``lin``, then ops that each append one tensor to the
+pool. Ops come from ``OPS``, a table of elementwise, matmul, reduction,
+broadcasting, view, indexing, in-place (on views too: CopySlices), ``detach``,
+multi-output rows, a Python ``autograd.Function`` with a ctx scalar and ops
+whose saved sizes or scalars depend on the step. Hooks of every kind are
+attached: tensor hooks, grad_fn pre and post hooks, post-accumulate-grad hooks
+on leaves and a module full backward hook. The backward runs from one or more
+roots, once or several times (``retain_graph``).
+
+The cache is what is fuzzed: each program runs as a **sequence of backwards**
+in one process (its ``variants``), and between them the leaves' row count
+(0, 1 and others), the scalar ``s`` the ops save, ``requires_grad``, whether
+``.grad`` is defined and whether the hooks are registered change. Eager runs
+the same sequence; every step's grads and hook log are compared. Hypothesis
+shrinks both the program and the sequence; ``Program.snippet()`` replays the
+failing run exactly, with its backend, and prints both hook logs.
 
     python -m ca_testkit fuzz --examples 5000 --backend none --seed 0
 """
@@ -19,9 +30,37 @@ from typing import Any
 
 import torch
 
-__all__ = ["OPS", "Program", "Step", "check_program", "programs", "run_program"]
+__all__ = ["OPS", "Program", "Step", "Variant", "check_program", "programs", "replay", "run_program"]
 
-SHAPE = (3, 4)
+COLS = 4
+
+
+class Scale(torch.autograd.Function):
+    """A Python Function whose backward reads a ctx scalar and a saved tensor."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, k: float) -> torch.Tensor:
+        ctx.k = k
+        ctx.save_for_backward(x)
+        return x * k + x.sin()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (x,) = ctx.saved_tensors
+        return grad * (ctx.k + x.cos()), None
+
+
+def view_inplace(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """An in-place op on a view of a non-leaf: the base's grad_fn becomes CopySlices."""
+    c = a * 1.0
+    c[:, :2].mul_(b[:, 2:] + 1.0)
+    return c
+
+
+def split_rows(a: torch.Tensor) -> torch.Tensor:
+    """Two narrows whose saved start/length depend on the row count."""
+    half = a.shape[0] // 2
+    return torch.cat([a.narrow(0, 0, half), a.narrow(0, half, a.shape[0] - half) * 2.0])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,50 +72,63 @@ class OpSpec:
     fn: Callable[..., torch.Tensor]
 
 
+_OP_NAMESPACE = {"torch": torch, "Scale": Scale, "view_inplace": view_inplace, "split_rows": split_rows}
+
+
 def _op(arity: int, code: str) -> OpSpec:
     # The code is the single source of truth: the function is compiled from it,
-    # so a printed snippet runs exactly what the fuzzer ran.
+    # and a snippet prints it next to the program it replays.
     args = ", ".join("abc"[:arity])
-    fn = eval(f"lambda {args}, W: {code}", {"torch": torch})  # noqa: S307
+    fn = eval(f"lambda {args}, W, lin, s: {code}", _OP_NAMESPACE)  # noqa: S307
     return OpSpec(arity, code, fn)
 
 
-#: Each op maps pool tensors a, b (3x4) and the weight W (4x4) to a 3x4 tensor.
+#: Each op maps pool tensors a, b (rows x 4), the weight W (4x4), the module
+#: lin and the step's scalar s to a rows x 4 tensor, for any row count >= 0.
 OPS: dict[str, OpSpec] = {
     "sin": _op(1, "a.sin()"),
     "tanh": _op(1, "a.tanh()"),
     "exp": _op(1, "(a * 0.1).exp()"),
     "relu": _op(1, "a.relu()"),
     "square": _op(1, "a * a"),
-    "scale": _op(1, "a * 2.5"),
+    "scale": _op(1, "a * s"),
+    "pow": _op(1, "(a.abs() + 1.0).pow(s)"),
+    "clamp": _op(1, "a.clamp(-abs(s), abs(s))"),
+    "tril": _op(1, "a.tril(int(s))"),
+    "function": _op(1, "Scale.apply(a, s)"),
     "add": _op(2, "a + b"),
     "mul": _op(2, "a * b"),
     "sub": _op(2, "a - b"),
     "div": _op(2, "a / (b.abs() + 1.0)"),
     "matmul": _op(1, "a @ W"),
+    "linear": _op(1, "lin(a)"),
     "sum_bcast": _op(2, "a + b.sum(0, keepdim=True)"),
     "mean_row": _op(1, "a * a.mean(1, keepdim=True)"),
     "amax": _op(1, "a - a.amax(1, keepdim=True)"),
-    "view": _op(1, "a.reshape(4, 3).t().t().reshape(3, 4)"),
+    "view": _op(1, "a.reshape(-1, 2).t().t().reshape(a.shape)"),
     "transpose": _op(1, "a.t().contiguous().t()"),
-    "expand": _op(1, "a[:1].expand(3, 4) * a"),
-    "index": _op(1, "a[[2, 0, 1]]"),
+    "expand": _op(1, "a[:1].expand_as(a) * a"),
+    "flip": _op(1, "a.flip(0)"),
+    "split_rows": _op(1, "split_rows(a)"),
     "gather": _op(1, "a.index_select(1, torch.tensor([3, 1, 0, 2]))"),
     "inplace": _op(2, "a.clone().mul_(2).add_(b)"),
+    "view_inplace": _op(2, "view_inplace(a, b)"),
     "detach": _op(2, "a.detach() * b"),
     "chunk_cat": _op(1, "torch.cat(list(reversed(a.chunk(2, dim=1))), dim=1)"),
-    "unbind_stack": _op(1, "torch.stack(a.unbind(0)[::-1])"),
+    "unbind_stack": _op(1, "torch.stack(a.unbind(1)[::-1], dim=1)"),
 }
 
-HOOKS: dict[str, str] = {
-    "double": "lambda g: g * 2",
-    "observe": "lambda g: None",
-}
+#: Hooks a step may attach to its output: tensor hooks and grad_fn pre/post hooks.
+HOOKS: tuple[str, ...] = ("double", "observe", "pre_half", "post_observe")
+
+#: Values a variant draws from; the first is the default that shrinking goes to.
+ROWS: tuple[int, ...] = (3, 0, 1, 5)
+SCALARS: tuple[float, ...] = (2.5, -1.5, 0.5, 1.0)
 
 
 @dataclasses.dataclass(frozen=True)
 class Step:
-    """Appends ``OPS[op](pool[args...], W)`` to the pool, with an optional hook."""
+    """Appends ``OPS[op](pool[args...], W, lin, s)`` to the pool, with an optional hook."""
 
     op: str
     args: tuple[int, ...]
@@ -84,69 +136,140 @@ class Step:
 
 
 @dataclasses.dataclass(frozen=True)
+class Variant:
+    """One backward of a program's sequence: what changed since the previous one."""
+
+    #: Leaves are ``rows x 4``.
+    rows: int = 3
+    #: The ``s`` the ops save (a float, a ctx attribute, ``int(s)`` as tril's diagonal).
+    scalar: float = 2.5
+    #: Per leaf; None keeps the program's.
+    requires_grad: tuple[bool, ...] | None = None
+    #: Every grad-requiring leaf (and W, lin) starts with ``.grad`` = ones.
+    grad_defined: bool = False
+    #: The program's hooks are registered for this backward.
+    hooks: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
 class Program:
-    """Leaves, steps and the roots the backward starts from."""
+    """Leaves, steps, roots, hooks and the sequence of backwards."""
 
     requires_grad: tuple[bool, ...]
     steps: tuple[Step, ...]
     roots: tuple[int, ...]
     seed: int = 0
+    #: Per leaf: a post-accumulate-grad hook.
+    leaf_hooks: tuple[bool, ...] = ()
+    #: A full backward hook on ``lin`` (used by the ``linear`` op).
+    module_hook: bool = False
+    #: Backwards per variant; all but the last with ``retain_graph=True``.
+    backwards: int = 1
+    variants: tuple[Variant, ...] = (Variant(),)
 
-    def snippet(self) -> str:
-        """A standalone script that runs this program eagerly and compiled."""
-        lines = [
-            "import torch, ca_runtime",
-            "def run():",
-            "    W = torch.randn(4, 4, generator=torch.Generator().manual_seed(1)).requires_grad_()",
-        ]
-        for i, rg in enumerate(self.requires_grad):
-            lines.append(
-                f"    t{i} = torch.randn(3, 4, generator=torch.Generator().manual_seed({self.seed + i}))"
-                f".requires_grad_({rg})"
-            )
+    def literal(self) -> str:
+        """The constructor call that rebuilds this program."""
+        return (
+            f"Program(requires_grad={self.requires_grad!r},\n"
+            f"    steps=({''.join(f'{s!r}, ' for s in self.steps)}),\n"
+            f"    roots={self.roots!r}, seed={self.seed!r}, leaf_hooks={self.leaf_hooks!r},\n"
+            f"    module_hook={self.module_hook!r}, backwards={self.backwards!r},\n"
+            f"    variants=({''.join(f'{v!r}, ' for v in self.variants)}))"
+        )
+
+    def listing(self) -> list[str]:
+        """The program as commented pseudo-code (the replay runs exactly this)."""
         n = len(self.requires_grad)
-        for k, step in enumerate(self.steps):
-            operands = ", ".join(f"t{j}" for j in step.args)
-            lines.append(f"    {', '.join('abc'[: len(step.args)])}, = {operands},")
-            lines.append(f"    t{n + k} = {OPS[step.op].code}")
-            if step.hook:
-                lines.append(
-                    f"    if t{n + k}.requires_grad: t{n + k}.register_hook({HOOKS[step.hook]})"
-                )
-        roots = ", ".join(f"t{r}.sum()" for r in self.roots)
-        lines += [
-            f"    torch.autograd.backward([r for r in [{roots}] if r.requires_grad])",
-            f"    return [t.grad for t in [W, {', '.join(f't{i}' for i in range(n))}]]",
-            "eager = run()",
-            "with ca_runtime.enable(lambda gm: gm):",
-            "    compiled = run()",
-            "print([(e is None and c is None) or torch.allclose(e, c) for e, c in zip(eager, compiled)])",
+        lines = [
+            f"#   t{i} = leaf (rows, 4), requires_grad={rg}"
+            + (", post-accumulate-grad hook" if i < len(self.leaf_hooks) and self.leaf_hooks[i] else "")
+            for i, rg in enumerate(self.requires_grad)
         ]
-        return "\n".join(lines)
+        for k, step in enumerate(self.steps):
+            operands = ", ".join(f"{'abc'[j]}=t{a}" for j, a in enumerate(step.args))
+            hook = f"   hook: {step.hook}" if step.hook else ""
+            lines.append(f"#   t{n + k} = {OPS[step.op].code}   [{operands}]{hook}")
+        lines.append(f"#   backward of {' + '.join(f't{r}.sum()' for r in self.roots)}, {self.backwards} time(s)")
+        if self.module_hook:
+            lines.append("#   lin has a full backward hook")
+        return lines
+
+    def snippet(self, backend: str = "none") -> str:
+        """A script that replays this program eagerly and compiled, step by step."""
+        return "\n".join(
+            [
+                f"# ca_testkit fuzz reproduction, backend {backend!r}; the program:",
+                *self.listing(),
+                "from ca_testkit.fuzz import Program, Step, Variant, replay",
+                f"program = {self.literal()}",
+                f"replay(program, {backend!r})",
+            ]
+        )
 
     def __repr__(self) -> str:
-        return "Program, runnable as:\n" + self.snippet()
+        return "Program, replayed by:\n" + self.snippet()
 
 
-def run_program(program: Program) -> tuple[list[torch.Tensor | None], list[str]]:
-    """Builds the program's graph and runs its backward; returns leaf grads and the hook log."""
+def _leaf_requires_grad(program: Program, variant: Variant) -> tuple[bool, ...]:
+    rg = variant.requires_grad if variant.requires_grad is not None else program.requires_grad
+    return tuple(rg[i] if i < len(rg) else program.requires_grad[i] for i in range(len(program.requires_grad)))
+
+
+def run_program(program: Program, index: int = 0) -> tuple[list[torch.Tensor | None], list[str]]:
+    """Builds variant ``index`` of the program and runs its backward(s); returns grads and the hook log."""
+    variant = program.variants[index]
     log: list[str] = []
-    weight = torch.randn(4, 4, generator=torch.Generator().manual_seed(1)).requires_grad_()
+    weight = torch.randn(COLS, COLS, generator=torch.Generator().manual_seed(1)).requires_grad_()
+    lin = torch.nn.Linear(COLS, COLS)
+    with torch.no_grad():
+        generator = torch.Generator().manual_seed(2)
+        for p in lin.parameters():
+            p.copy_(torch.randn(p.shape, generator=generator))
     leaves = [
-        torch.randn(*SHAPE, generator=torch.Generator().manual_seed(program.seed + i)).requires_grad_(rg)
-        for i, rg in enumerate(program.requires_grad)
+        torch.randn(variant.rows, COLS, generator=torch.Generator().manual_seed(program.seed + i)).requires_grad_(rg)
+        for i, rg in enumerate(_leaf_requires_grad(program, variant))
     ]
+    params = [weight, *lin.parameters(), *leaves]
+    if variant.grad_defined:
+        for p in params:
+            if p.requires_grad:
+                p.grad = torch.ones_like(p)
+    if variant.hooks:
+        for i, leaf in enumerate(leaves):
+            if i < len(program.leaf_hooks) and program.leaf_hooks[i] and leaf.requires_grad:
+                leaf.register_post_accumulate_grad_hook(_logging_acc_hook(log, f"acc{i}"))
+        if program.module_hook:
+            lin.register_full_backward_hook(_logging_module_hook(log))
     pool: list[torch.Tensor] = list(leaves)
     for k, step in enumerate(program.steps):
-        out = OPS[step.op].fn(*(pool[j] for j in step.args), weight)
-        if step.hook and out.requires_grad:
-            factor = 2.0 if step.hook == "double" else None
-            out.register_hook(_logging_hook(log, f"h{k}", factor))
+        out = OPS[step.op].fn(*(pool[j] for j in step.args), weight, lin, variant.scalar)
+        if variant.hooks and step.hook and out.grad_fn is not None:
+            _attach_hook(out, step.hook, f"h{k}", log)
         pool.append(out)
     roots = [pool[r].sum() for r in program.roots if pool[r].requires_grad]
-    if roots:
-        torch.autograd.backward(roots)
-    return [weight.grad, *(t.grad for t in leaves)], log
+    for b in range(program.backwards if roots else 0):
+        torch.autograd.backward(roots, retain_graph=b + 1 < program.backwards)
+    return [p.grad for p in params], log
+
+
+def _attach_hook(out: torch.Tensor, kind: str, name: str, log: list[str]) -> None:
+    if kind in ("double", "observe"):
+        out.register_hook(_logging_hook(log, name, 2.0 if kind == "double" else None))
+    elif kind == "pre_half":
+
+        def pre(grads: tuple[torch.Tensor | None, ...]) -> tuple[torch.Tensor | None, ...]:
+            log.append(f"{name} pre {[None if g is None else tuple(g.shape) for g in grads]}")
+            return tuple(None if g is None else g * 0.5 for g in grads)
+
+        assert out.grad_fn is not None
+        out.grad_fn.register_prehook(pre)
+    else:
+
+        def post(inputs: tuple[torch.Tensor | None, ...], outputs: tuple[torch.Tensor | None, ...]) -> None:
+            log.append(f"{name} post {[None if g is None else tuple(g.shape) for g in inputs]}")
+
+        assert out.grad_fn is not None
+        out.grad_fn.register_hook(post)
 
 
 def _logging_hook(log: list[str], name: str, factor: float | None) -> Callable[[torch.Tensor], Any]:
@@ -157,8 +280,22 @@ def _logging_hook(log: list[str], name: str, factor: float | None) -> Callable[[
     return hook
 
 
-def programs(max_steps: int = 8) -> Any:
-    """Hypothesis strategy for Programs."""
+def _logging_acc_hook(log: list[str], name: str) -> Callable[[torch.Tensor], None]:
+    def hook(param: torch.Tensor) -> None:
+        log.append(f"{name} {None if param.grad is None else tuple(param.grad.shape)}")
+
+    return hook
+
+
+def _logging_module_hook(log: list[str]) -> Callable[..., None]:
+    def hook(module: Any, grad_input: Any, grad_output: Any) -> None:
+        log.append(f"module {[None if g is None else tuple(g.shape) for g in grad_input]}")
+
+    return hook
+
+
+def programs(max_steps: int = 8, max_variants: int = 4) -> Any:
+    """Hypothesis strategy for Programs (each with a sequence of variants)."""
     from hypothesis import strategies as st
 
     @st.composite
@@ -172,20 +309,61 @@ def programs(max_steps: int = 8) -> Any:
             pool_size = n_leaves + k
             name = draw(st.sampled_from(sorted(OPS)))
             args = tuple(draw(st.integers(0, pool_size - 1)) for _ in range(OPS[name].arity))
-            hook = draw(st.sampled_from([None, None, None, *sorted(HOOKS)]))
+            hook = draw(st.sampled_from([None, None, None, *HOOKS]))
             steps.append(Step(name, args, hook))
         total = n_leaves + len(steps)
         roots = tuple(sorted(draw(st.sets(st.integers(n_leaves, total - 1), min_size=1, max_size=2))))
-        return Program(requires_grad, tuple(steps), roots, draw(st.integers(0, 1000)))
+        leaf_hooks = tuple(draw(st.sampled_from([False, False, True])) for _ in range(n_leaves))
+        variants = [Variant()]
+        for _ in range(draw(st.integers(1, max_variants)) - 1):
+            flip = draw(st.booleans())
+            variants.append(
+                Variant(
+                    rows=draw(st.sampled_from(ROWS)),
+                    scalar=draw(st.sampled_from(SCALARS)),
+                    requires_grad=tuple(draw(st.booleans()) for _ in range(n_leaves)) if flip else None,
+                    grad_defined=draw(st.booleans()),
+                    hooks=draw(st.sampled_from([True, True, False])),
+                )
+            )
+        return Program(
+            requires_grad,
+            tuple(steps),
+            roots,
+            draw(st.integers(0, 1000)),
+            leaf_hooks=leaf_hooks if any(leaf_hooks) else (),
+            module_hook=draw(st.sampled_from([False, False, True])),
+            backwards=draw(st.sampled_from([1, 1, 1, 2])),
+            variants=tuple(variants),
+        )
 
     return build()
 
 
 def check_program(program: Program, compiler_fn: Any, impl: str = "ca") -> Any:
-    """compare() of one program: eager vs compiled grads and hook logs."""
+    """compare() of one program's sequence: eager vs compiled grads and hook logs, every step."""
     from ca_testkit.compare import compare
 
-    return compare(lambda: run_program(program), compiler_fn, impl=impl)
+    return compare(lambda i: run_program(program, i), compiler_fn, steps=len(program.variants), impl=impl)
+
+
+def replay(program: Program, backend: str = "none", impl: str = "ca") -> Any:
+    """Runs the program's sequence eagerly and compiled; prints the comparison and both hook logs."""
+    from ca_testkit.implementations import get_implementation
+
+    result = check_program(program, resolve_backend(backend), impl)
+    print(result.report())
+    implementation = get_implementation(impl)
+    for label, compiled in (("eager", False), ("compiled", True)):
+        implementation.reset()
+        for i in range(len(program.variants)):
+            if compiled:
+                with implementation.enable(resolve_backend(backend)):
+                    _, log = run_program(program, i)
+            else:
+                _, log = run_program(program, i)
+            print(f"step {i} {label} hook log: {log}")
+    return result
 
 
 def resolve_backend(name: str) -> Any:
