@@ -103,9 +103,16 @@ def test_last_graph_is_readable_code(backend: str) -> None:
     model = make_mlp()
     with ca_runtime.enable(backend):
         model(torch.randn(4, model[0].in_features)).sum().backward()
-    code = ca_runtime.last_graph().code
+    graph = ca_runtime.last_graph()
+    code = graph.code
     assert "def forward(self, inputs, sizes, scalars, hooks)" in code
-    assert "apply_node" in code
+    # Each node's call is named after the autograd node it runs and tagged in meta.
+    assert "addmm_backward0 = ca_runtime__graph_ops_apply_node(" in code
+    tagged = [(n.name, n.meta["autograd_node"]) for n in graph.graph.nodes if "autograd_node" in n.meta]
+    assert ("relu_backward0", "ReluBackward0") in tagged and ("t_backward0", "TBackward0") in tagged
+    # Lifted inputs are read where first used, not in a block at the top.
+    body = [line.strip() for line in code.splitlines() if "=" in line]
+    assert not body[1].startswith("getitem_1 = inputs[")
 
 
 def test_create_graph_double_backward(backend: str) -> None:

@@ -39,6 +39,7 @@ first (for a reader of leaf grads, ``NodeRule.reads_leaf_grads``, too).
 from __future__ import annotations
 
 import operator
+import re
 import types
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -149,6 +150,42 @@ def _accumulates_in_graph(
     )
 
 
+class _LazyItems:
+    """``seq[i]`` of a placeholder, emitted at its first use so the code reads in walk order."""
+
+    def __init__(self, fx: torch.fx.Graph, seq: torch.fx.Node, length: int) -> None:
+        self._fx, self._seq, self._length = fx, seq, length
+        self._nodes: dict[int, torch.fx.Node] = {}
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __getitem__(self, index: int | slice) -> Any:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(self._length))]
+        if not 0 <= index < self._length:
+            raise IndexError(index)
+        if index not in self._nodes:
+            self._nodes[index] = self._fx.call_function(operator.getitem, (self._seq, index))
+        return self._nodes[index]
+
+
+def _fx_name(autograd_name: str) -> str:
+    """``AddmmBackward0`` -> ``addmm_backward0``: the FX value named after the node it runs."""
+    short = autograd_name.rsplit("::", 1)[-1]
+    return re.sub(r"(?<!^)(?=[A-Z][a-z])|(?<=[a-z0-9])(?=[A-Z])", "_", short).lower()
+
+
+def _call_for(
+    fx: torch.fx.Graph, node: ca_core.NodeInfo, target: Any, args: tuple[Any, ...]
+) -> torch.fx.Node:
+    """A call that runs autograd node ``node``, named after it and tagged in ``meta``."""
+    call = fx.create_node("call_function", target, args, name=_fx_name(node.name))
+    call.meta["autograd_node"] = node.name
+    call.meta["walk_index"] = node.index
+    return call
+
+
 def build_graph_module(graph: ca_core.BackwardGraph) -> Capture:
     """The FX graph of one backward; raises UnsupportedNode for a node it cannot take."""
     fx = torch.fx.Graph()
@@ -163,8 +200,8 @@ def build_graph_module(graph: ca_core.BackwardGraph) -> Capture:
     def unpack(result: torch.fx.Node, n: int) -> list[Any]:
         return [getitem(result, i) for i in range(n)]
 
-    lifted = [getitem(inputs, i) for i in range(graph.num_tensors)]
-    lifted_scalars = [getitem(scalars, i) for i in range(graph.num_scalars)]
+    lifted = _LazyItems(fx, inputs, graph.num_tensors)
+    lifted_scalars = _LazyItems(fx, scalars, graph.num_scalars)
     hook_nodes: dict[int, torch.fx.Node] = {}
     dynamic_positions = {
         k: j for j, k in enumerate(k for k, dyn in enumerate(graph.dynamic_sizes) if dyn)
@@ -306,13 +343,17 @@ def build_graph_module(graph: ca_core.BackwardGraph) -> Capture:
         validate_sizes = sizes_for(node.size_offset + node.num_apply_sizes, node.num_validate_sizes)
         if handling is Handling.TRACE:
             # One call for the node and its output check; see [Note: One call per node] in ca_core.
-            outputs = fx.call_function(
+            outputs = _call_for(
+                fx,
+                node,
                 ops.apply_node,
                 (node.index, list(buffer), saved, apply_sizes, saved_scalars, validate_sizes),
             )
         else:
             if handling is Handling.BREAK:
-                outputs = fx.call_function(
+                outputs = _call_for(
+                    fx,
+                    node,
                     ops.apply_with_saved_eager,
                     (node.index, list(buffer), saved, apply_sizes, saved_scalars),
                 )
@@ -439,7 +480,7 @@ def _call_function(
     fx: torch.fx.Graph,
     node: ca_core.NodeInfo,
     buffer: list[Any],
-    lifted: list[torch.fx.Node],
+    lifted: _LazyItems,
     hook_at: Any,
     size_at: Any,
 ) -> torch.fx.Node:
@@ -458,7 +499,9 @@ def _call_function(
     assert function is not None
     grads = _materialized_grads(fx, node, buffer, size_at)
     saved = [None if slot is None else lifted[slot] for slot in function.saved_slots]
-    return fx.call_function(
+    return _call_for(
+        fx,
+        node,
         ops.call_function_backward,
         (hook_at(function.ctx_hook), saved, tuple(function.is_variable_input), node.name, *grads),
     )
@@ -485,7 +528,7 @@ def _copy_aot_backward(
     root: torch.nn.Module,
     node: ca_core.NodeInfo,
     buffer: list[Any],
-    lifted: list[torch.fx.Node],
+    lifted: _LazyItems,
     hook_at: Any,
     size_at: Any,
     create_graph: bool,
