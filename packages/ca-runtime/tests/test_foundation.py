@@ -103,6 +103,24 @@ def test_enable_rejects_unknown_backend_listing_valid_ones() -> None:
     assert ca_core.installed_runtime() is None
 
 
+def test_unknown_backend_suggests_the_nearest_and_hides_testing_only() -> None:
+    with pytest.raises(ValueError, match="did you mean 'inductor'") as info:
+        ca_runtime.enable("inductr")
+    assert "TESTING_ONLY" not in str(info.value)
+
+
+def test_enable_never_entered_warns(recwarn: pytest.WarningsRecorder) -> None:
+    ca_runtime.enable("eager")  # a plain call: nothing would be compiled
+    assert [str(w.message) for w in recwarn if w.category is RuntimeWarning] == [
+        "ca_runtime.enable(...) was called but never entered, so nothing is compiled: "
+        "use it as `with ca_runtime.enable(...):` around the backward"
+    ]
+    assert ca_core.installed_runtime() is None
+    with ca_runtime.enable("eager"):
+        pass
+    assert not [w for w in recwarn if w.category is RuntimeWarning][1:]
+
+
 def test_exception_inside_context_restores_prior_hook() -> None:
     with ca_runtime.enable("eager") as outer:
         with pytest.raises(RuntimeError, match="boom"):

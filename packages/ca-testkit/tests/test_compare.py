@@ -63,3 +63,34 @@ def test_bad_arguments() -> None:
         ca_testkit.compare(42, "eager")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="steps"):
         ca_testkit.compare(lambda: None, "eager", steps=0)
+
+
+def test_several_modules_are_compared_parameter_by_parameter() -> None:
+    body, head = make_mlp(), torch.nn.Linear(4, 2)
+
+    def step() -> None:
+        head(body(torch.ones(3, 8))).sum().backward()
+
+    result = ca_testkit.compare(step, "eager", tensors=[body, head])
+    assert result.ok, result.report()
+    assert {d.name for d in result.diffs} >= {"step0.grad[0.0.weight]", "step0.grad[1.bias]"}
+    with pytest.raises(TypeError, match=r"tensors\[1\] must be a tensor or a module"):
+        ca_testkit.compare(step, "eager", tensors=[body, "head"])  # type: ignore[list-item]
+
+
+def test_a_run_that_captured_nothing_fails() -> None:
+    """Eager's answer from a backward that never compiled is no pass."""
+    x = torch.ones(3, requires_grad=True)
+
+    def no_backward() -> torch.Tensor:
+        return (x * 2).detach()
+
+    result = ca_testkit.compare(no_backward, "eager")
+    assert not result.ok and result.summary() == "[ca] nothing was captured"
+    assert ca_testkit.compare(no_backward, "eager", expect_capture=False).ok
+
+
+def test_summary_names_the_kind_of_failure() -> None:
+    model = make_mlp()
+    result = ca_testkit.compare(mlp_step(model), corrupting, tensors=model)
+    assert result.summary().startswith("[ca] 4 value(s) differ (step0.grad[0.weight]")

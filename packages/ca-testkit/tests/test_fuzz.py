@@ -71,3 +71,16 @@ def test_snippet_replays_the_program(capsys: pytest.CaptureFixture[str]) -> None
     exec(compile(program.snippet("none"), "<snippet>", "exec"), namespace)
     out = capsys.readouterr().out
     assert "0 of" in out and "step 1 compiled hook log: ['h0 (1, 4)']" in out
+
+
+def test_cli_without_the_fuzz_extra_says_what_to_install(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import importlib.util
+
+    from ca_testkit.__main__ import main
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "hypothesis" else real(name, *a))
+    assert main(["fuzz", "--examples", "1"]) == 2
+    assert "pip install 'ca-testkit[fuzz]'" in capsys.readouterr().err

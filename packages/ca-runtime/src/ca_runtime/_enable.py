@@ -15,6 +15,8 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import difflib
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -88,9 +90,11 @@ def _resolve_compiler(compiler_fn: object) -> tuple[CompilerFn, str]:
     if isinstance(compiler_fn, str):
         valid = _valid_backends()
         if compiler_fn not in valid:
+            shown = [name for name in valid if "TESTING_ONLY" not in name]
+            close = difflib.get_close_matches(compiler_fn, shown, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
             raise ValueError(
-                f"compiler_fn: unknown backend name {compiler_fn!r}; valid names are "
-                + ", ".join(valid)
+                f"compiler_fn: unknown backend name {compiler_fn!r}; {hint}valid names are " + ", ".join(shown)
             )
         backend = compiler_fn
 
@@ -108,26 +112,55 @@ def _resolve_compiler(compiler_fn: object) -> tuple[CompilerFn, str]:
     return compiler_fn, getattr(compiler_fn, "__name__", repr(compiler_fn))  # type: ignore[return-value]
 
 
-@contextlib.contextmanager
-def enable(compiler_fn: CompilerFn | str) -> Iterator[Runtime]:
+class _EnableContext(contextlib.AbstractContextManager):  # type: ignore[type-arg]
+    """What ``enable()`` returns: installs our hook on entry, restores the prior one on exit.
+
+    It warns if it is never entered: ``ca_runtime.enable("inductor")`` as a
+    plain statement would otherwise do nothing at all, silently.
+    """
+
+    def __init__(self, compiler_fn: CompilerFn | str) -> None:
+        self._compiler_fn = compiler_fn
+        self._compiler, self._description = _resolve_compiler(compiler_fn)
+        self._prior: _HookState | None = None
+        self._entered = False  # set last: a rejected compiler_fn does not warn
+
+    def __enter__(self) -> Runtime:
+        self._entered = True
+        keep_hook_across_torch_disable()
+        self._prior = _HookState.current()
+        runtime = Runtime(self._compiler, self._description)
+        runtime.compiler_key = _compiler_key(self._compiler_fn)
+        ca_core.install_engine_hook(runtime, runtime.compiler_key)
+        return runtime
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._prior is not None:
+            self._prior.restore()
+            self._prior = None
+
+    def __del__(self) -> None:
+        if not getattr(self, "_entered", True):
+            warnings.warn(
+                "ca_runtime.enable(...) was called but never entered, so nothing is compiled: "
+                "use it as `with ca_runtime.enable(...):` around the backward",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+
+
+def enable(compiler_fn: CompilerFn | str) -> _EnableContext:
     """Compiles every ``backward()``/``autograd.grad`` inside the context.
 
     ``compiler_fn`` takes the captured ``torch.fx.GraphModule`` and returns a
     callable (e.g. ``lambda gm: torch.compile(gm, backend="inductor")``), or is
-    a backend name accepted by ``torch.compile``. On exit, by return or by
-    exception, the engine hook that was active before is restored; see
-    [Note: Restoring the engine hook].
+    a backend name accepted by ``torch.compile``. Use it as ``with
+    enable(...) as runtime:``; on exit, by return or by exception, the engine
+    hook that was active before is restored (see [Note: Restoring the engine
+    hook]). A call that is never entered warns. The hook is process-global:
+    a backward on any thread inside the context is compiled.
     """
-    compiler, description = _resolve_compiler(compiler_fn)
-    keep_hook_across_torch_disable()
-    prior = _HookState.current()
-    runtime = Runtime(compiler, description)
-    runtime.compiler_key = _compiler_key(compiler_fn)
-    ca_core.install_engine_hook(runtime, runtime.compiler_key)
-    try:
-        yield runtime
-    finally:
-        prior.restore()
+    return _EnableContext(compiler_fn)
 
 
 @contextlib.contextmanager

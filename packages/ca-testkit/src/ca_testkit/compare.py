@@ -24,7 +24,7 @@ from ca_testkit.implementations import get_implementation
 
 __all__ = ["Comparison", "TensorDiff", "compare"]
 
-Tensors = Union[torch.nn.Module, Mapping[str, torch.Tensor], Iterable[torch.Tensor]]
+Tensors = Union[torch.nn.Module, Mapping[str, torch.Tensor], Iterable[Union[torch.Tensor, torch.nn.Module]]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +66,24 @@ class Comparison:
     def mismatches(self) -> tuple[TensorDiff, ...]:
         return tuple(d for d in self.diffs if not d.ok)
 
+    def summary(self) -> str:
+        """One line: what failed (values, hook order/log, captures), or ``ok``."""
+        bad = self.mismatches
+        if not bad:
+            return f"[{self.impl}] ok"
+        captures = [d for d in bad if d.name == "captures"]
+        tensors = [d for d in bad if d.shape is not None or d.max_abs == float("inf")]
+        others = [d for d in bad if d not in captures and d not in tensors]
+        parts = []
+        if tensors:
+            parts.append(f"{len(tensors)} value(s) differ ({', '.join(d.name for d in tensors[:3])}"
+                         + (", ..." if len(tensors) > 3 else "") + ")")
+        if others:
+            parts.append(f"{len(others)} non-tensor result(s) differ, e.g. hook order/log ({others[0].name})")
+        if captures:
+            parts.append("nothing was captured")
+        return f"[{self.impl}] " + "; ".join(parts)
+
     def report(self) -> str:
         head = (
             f"[{self.impl}] {len(self.mismatches)} of {len(self.diffs)} values differ over "
@@ -85,7 +103,15 @@ def _named(tensors: Tensors) -> dict[str, torch.Tensor]:
         return dict(tensors)
     if isinstance(tensors, torch.Tensor):
         raise TypeError("tensors must be a module, a mapping or a sequence of tensors, not a tensor")
-    return {str(i): t for i, t in enumerate(tensors)}
+    named: dict[str, torch.Tensor] = {}
+    for i, item in enumerate(tensors):
+        if isinstance(item, torch.nn.Module):  # compare(tensors=[model, head]): each module's parameters
+            named.update({f"{i}.{name}": p for name, p in item.named_parameters()})
+        elif isinstance(item, torch.Tensor):
+            named[str(i)] = item
+        else:
+            raise TypeError(f"tensors[{i}] must be a tensor or a module, not {type(item).__name__}")
+    return named
 
 
 def _as_step(step: Callable[..., Any]) -> Callable[[int], Any]:
@@ -149,6 +175,7 @@ def compare(
     rtol: float = 1e-5,
     atol: float = 1e-6,
     impl: str = "ca",
+    expect_capture: bool = True,
 ) -> Comparison:
     """Runs ``step`` eagerly and under compiled autograd ``impl``; compares.
 
@@ -159,6 +186,10 @@ def compare(
     whatever it returns is compared, and so is ``.grad`` of every tensor in
     ``tensors`` after each step. The counters in ``Comparison.stats`` are those
     of the compiled run alone (the cache and counters are reset before it).
+
+    With ``expect_capture`` (the default) a run where nothing was captured is
+    a failure too: eager's answer from a backward that never compiled proves
+    nothing. Pass False where no backward may happen at all.
     """
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be a positive int, got {steps!r}")
@@ -188,4 +219,7 @@ def compare(
                 diffs.append(TensorDiff(name, False, math.inf, math.inf, None, None, "missing in one run"))
                 continue
             diffs.append(_diff(name, eager_record[name], compiled_record[name], rtol, atol))
+    if expect_capture and stats.get("captures", 0) + stats.get("cache_hits", 0) == 0:
+        note = "nothing was captured: every backward ran on the eager engine"
+        diffs.append(TensorDiff("captures", False, 0.0, 0.0, None, None, note))
     return Comparison(tuple(diffs), stats, steps, impl)

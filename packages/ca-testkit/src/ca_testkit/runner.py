@@ -59,15 +59,21 @@ class CompareRunner:
             )
             for impl in self.impls
         ]
+        headlines = [r.summary() for r in results if not r.ok]
         problems = [r.report() for r in results if not r.ok]
         if max_captures is not None:
-            problems += [
+            too_many = [
                 f"[{r.impl}] {r.stats['captures']} captures, expected at most {max_captures}"
                 for r in results
                 if r.stats.get("captures", 0) > max_captures
             ]
+            headlines += too_many
+            problems += too_many
         if problems:
-            raise ComparisonFailed("compiled autograd differs from eager:\n" + "\n".join(problems))
+            # The first line says what failed; the per-value report follows.
+            raise ComparisonFailed(
+                "compiled autograd differs from eager: " + "; ".join(headlines) + "\n" + "\n".join(problems)
+            )
         return results
 
 
