@@ -1,8 +1,8 @@
 """Sessions of the ca monorepo.
 
 ``nox -s tests`` and ``nox -s demo`` work on a fresh machine: each session
-makes its own virtualenv, installs torch==2.13.0 (the CPU wheel pip finds on
-disk), builds ca-core against it without build isolation, and installs
+makes its own virtualenv, installs the torch ca-core pins (the CPU wheel pip
+finds on disk), builds ca-core against it without build isolation, and installs
 ca-runtime and ca-testkit. pip (nox's virtualenv backend) is used on purpose:
 uv would download a multi-GB CUDA torch.
 """
@@ -16,7 +16,17 @@ nox.options.sessions = ["tests"]
 
 PACKAGES = ("packages/ca-core", "packages/ca-runtime", "packages/ca-testkit")
 TEST_DIRS = tuple(f"{p}/tests" for p in PACKAGES)
-BUILD_REQUIREMENTS = ("torch==2.13.0", "nanobind>=2.4", "scikit-build-core>=0.10", "cmake>=3.18", "ninja", "hatchling")
+
+
+def _build_requirements() -> tuple[str, ...]:
+    """ca-core's build requirements (its exact torch pin among them), read from its pyproject: one source."""
+    import tomllib
+
+    with open("packages/ca-core/pyproject.toml", "rb") as f:
+        return (*tomllib.load(f)["build-system"]["requires"], "cmake>=3.18", "ninja", "hatchling")
+
+
+BUILD_REQUIREMENTS = _build_requirements()
 
 
 def _install(session: nox.Session, *extra: str) -> None:
@@ -43,9 +53,11 @@ def tests(session: nox.Session) -> None:
 
 @nox.session(python="3.11", default=False)
 def sweep(session: nox.Session) -> None:
-    """OpInfo sweep for ours and torch's built-in compiled autograd; writes sweep/*.json and a markdown comparison.
+    """OpInfo sweep for ours and torch's built-in compiled autograd (aot_eager), plus an inductor subset for ours;
+    writes sweep/{ca,torch,ca-inductor}.json and sweep/comparison.md.
 
-    Extra arguments go to both sweeps (e.g. ``nox -s sweep -- --ops "a*" --samples 1``).
+    Extra arguments go to every sweep (e.g. ``nox -s sweep -- --ops "a*" --samples all --dtype float32,complex64``);
+    the inductor subset keeps its own ``--backend inductor --every 25 --samples 2``.
     """
     _install(session, "numpy", *TESTKIT_EXTRAS)
     session.run("mkdir", "-p", "sweep", external=True)
@@ -54,15 +66,24 @@ def sweep(session: nox.Session) -> None:
             "python", "-m", "ca_testkit", "sweep", "--backend", "aot_eager", "--impl", impl,
             "--jobs", "2", "--json", f"sweep/{impl}.json", *session.posargs,
         )
+    session.run(
+        "python", "-m", "ca_testkit", "sweep", "--impl", "ca", "--jobs", "2", *session.posargs,
+        "--backend", "inductor", "--every", "25", "--samples", "2", "--json", "sweep/ca-inductor.json",
+    )
     session.run("python", "-m", "ca_testkit", "report", "sweep/ca.json", "sweep/torch.json",
                 "--markdown", "sweep/comparison.md")
 
 
 @nox.session(python="3.11", default=False)
 def fuzz(session: nox.Session) -> None:
-    """The random-graph fuzzer, long budget: 5,000 graphs (``nox -s fuzz -- --examples N`` to change)."""
+    """The fuzzer at full budget: 20,000 programs, each a sequence of backwards (10,000 per backend, eager and aot_eager).
+
+    Prints the wall time of each run. Hours on 2 cores; ``nox -s fuzz -- --examples N`` changes the budget per backend.
+    """
     _install(session, "numpy", *TESTKIT_EXTRAS)
-    session.run("python", "-m", "ca_testkit", "fuzz", "--examples", "5000", *session.posargs)
+    extra = session.posargs or ["--examples", "10000"]
+    for backend in ("eager", "aot_eager"):
+        session.run("python", "-m", "ca_testkit", "fuzz", "--backend", backend, "--jobs", "2", *extra)
 
 
 @nox.session(python="3.11")

@@ -8,6 +8,8 @@ other torch fails here with a message that says what to do.
 
 from __future__ import annotations
 
+import importlib.metadata
+
 import torch  # loads libtorch before the extension needs its symbols
 
 __all__ = [
@@ -30,7 +32,7 @@ __all__ = [
     "validate_outputs",
 ]
 
-__version__ = "0.1.0"
+__version__ = importlib.metadata.version("ca-core")  # from pyproject.toml, its one source
 
 
 def _check_torch(built_for: str) -> None:
@@ -45,6 +47,14 @@ def _check_torch(built_for: str) -> None:
         )
 
 
+def _torch_requirement() -> str:
+    """The exact torch this ca-core release pins (its package metadata, from pyproject.toml)."""
+    for requirement in importlib.metadata.requires("ca-core") or ():
+        if requirement.replace(" ", "").startswith("torch=="):
+            return requirement.replace(" ", "")
+    return "the torch version ca-core pins"
+
+
 try:
     from ca_core import _C
 except ImportError as e:  # pragma: no cover - depends on the environment
@@ -52,7 +62,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
         f"ca_core's extension failed to load ({e}). It is built against torch's C++ "
         f"ABI; torch {torch.__version__} is installed. Reinstall ca_core with "
         "`pip install --no-build-isolation packages/ca-core` after installing "
-        "torch==2.13.0."
+        f"{_torch_requirement()}."
     ) from e
 
 _check_torch(_C.TORCH_VERSION)

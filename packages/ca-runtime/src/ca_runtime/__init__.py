@@ -7,10 +7,39 @@ what cannot be compiled runs on the eager engine with one warning.
 
 from __future__ import annotations
 
-from ca_runtime._capture import build_graph_module
-from ca_runtime._enable import CacheEntry, cache_clear_failed, cache_info, disable, enable, reset, stats
-from ca_runtime._log import EagerFallbackWarning, GraphBreakWarning
-from ca_runtime._runtime import Runtime, last_graph
+import importlib.metadata
+
+
+
+def _check_ca_core() -> None:
+    """ca-runtime is released with exactly one ca-core (its pin); fail at import on any other."""
+    import re
+
+    pin = next(
+        (r for r in importlib.metadata.requires("ca-runtime") or () if re.match(r"ca[-_]core\s*==", r)), None
+    )
+    if pin is None:
+        return
+    wanted = pin.split("==", 1)[1].strip()
+    try:
+        installed = importlib.metadata.version("ca-core")
+    except importlib.metadata.PackageNotFoundError:
+        installed = None
+    if installed != wanted:
+        raise ImportError(
+            f"ca_runtime {importlib.metadata.version('ca-runtime')} needs ca-core=={wanted}, but "
+            + ("ca-core is not installed" if installed is None else f"ca-core {installed} is installed")
+            + f". Install the matching one: `pip install ca-core=={wanted}` (from a checkout: "
+            "`pip install --no-build-isolation packages/ca-core packages/ca-runtime`)."
+        )
+
+
+_check_ca_core()
+
+from ca_runtime._capture import build_graph_module  # noqa: E402
+from ca_runtime._enable import CacheEntry, cache_clear_failed, cache_info, disable, enable, reset, stats  # noqa: E402
+from ca_runtime._log import EagerFallbackWarning, GraphBreakWarning  # noqa: E402
+from ca_runtime._runtime import Runtime, last_graph  # noqa: E402
 
 __all__ = [
     "CacheEntry",
@@ -27,4 +56,4 @@ __all__ = [
     "stats",
 ]
 
-__version__ = "0.1.0"
+__version__ = importlib.metadata.version("ca-runtime")  # from pyproject.toml, its one source

@@ -9,6 +9,7 @@ installed) costs nothing to suites that never ask for its fixtures.
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -28,7 +29,7 @@ __all__ = [
     "scenarios",
 ]
 
-__version__ = "0.1.0"
+__version__ = importlib.metadata.version("ca-testkit")  # from pyproject.toml, its one source
 
 #: Public name -> the submodule that defines it.
 _HOMES = {
