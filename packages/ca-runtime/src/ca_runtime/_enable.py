@@ -8,6 +8,17 @@ built-in compiled autograd, or nothing -- and puts exactly that back when it
 exits, whether by return or by exception. torch's hook is re-armed through
 ``torch._C._dynamo.compiled_autograd.set_autograd_compiler``, which keeps
 torch's own compiler object.
+
+[Note: Contexts entered on several threads]
+The engine hook is process-global, so ``enable()`` and ``disable()`` on
+different threads share it. Open contexts form one list in entry order (under
+a lock), each holding what it replaced. Leaving the innermost one restores
+what it replaced, as above. Leaving an outer one while an inner one is still
+open (thread A enters, thread B enters, A leaves) changes nothing installed:
+the inner one stays in force and inherits what the outer one had replaced. So
+the hook in force is always that of the most recently entered open context,
+and once every context has exited, what was installed before the first one is
+back. Tested in test_foundation.py.
 """
 
 from __future__ import annotations
@@ -16,9 +27,10 @@ import atexit
 import contextlib
 import dataclasses
 import difflib
+import threading
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import ca_core
@@ -112,7 +124,43 @@ def _resolve_compiler(compiler_fn: object) -> tuple[CompilerFn, str]:
     return compiler_fn, getattr(compiler_fn, "__name__", repr(compiler_fn))  # type: ignore[return-value]
 
 
-class _EnableContext(contextlib.AbstractContextManager):  # type: ignore[type-arg]
+#: Open enable()/disable() contexts, in entry order; see [Note: Contexts entered on several threads].
+_open_contexts: list[_HookContext] = []
+_open_lock = threading.Lock()
+
+
+class _HookContext(contextlib.AbstractContextManager):  # type: ignore[type-arg]
+    """Installs a hook state on entry; on exit restores what it replaced (see the Notes above)."""
+
+    _prior: _HookState
+
+    def _install(self) -> Any:
+        raise NotImplementedError
+
+    def __enter__(self) -> Any:
+        with _open_lock:
+            self._prior = _HookState.current()
+            _open_contexts.append(self)
+            try:
+                return self._install()
+            except BaseException:
+                _open_contexts.remove(self)
+                self._prior.restore()
+                raise
+
+    def __exit__(self, *exc_info: object) -> None:
+        with _open_lock:
+            i = _open_contexts.index(self)
+            del _open_contexts[i]
+            if i < len(_open_contexts):
+                # An inner context is still open: it stays in force and now
+                # stands in for what this one replaced.
+                _open_contexts[i]._prior = self._prior
+            else:
+                self._prior.restore()
+
+
+class _EnableContext(_HookContext):
     """What ``enable()`` returns: installs our hook on entry, restores the prior one on exit.
 
     It warns if it is never entered: ``ca_runtime.enable("inductor")`` as a
@@ -122,22 +170,19 @@ class _EnableContext(contextlib.AbstractContextManager):  # type: ignore[type-ar
     def __init__(self, compiler_fn: CompilerFn | str) -> None:
         self._compiler_fn = compiler_fn
         self._compiler, self._description = _resolve_compiler(compiler_fn)
-        self._prior: _HookState | None = None
         self._entered = False  # set last: a rejected compiler_fn does not warn
 
-    def __enter__(self) -> Runtime:
+    def _install(self) -> Runtime:
         self._entered = True
         keep_hook_across_torch_disable()
-        self._prior = _HookState.current()
         runtime = Runtime(self._compiler, self._description)
         runtime.compiler_key = _compiler_key(self._compiler_fn)
         ca_core.install_engine_hook(runtime, runtime.compiler_key)
         return runtime
 
-    def __exit__(self, *exc_info: object) -> None:
-        if self._prior is not None:
-            self._prior.restore()
-            self._prior = None
+    def __enter__(self) -> Runtime:
+        runtime: Runtime = super().__enter__()
+        return runtime
 
     def __del__(self) -> None:
         if not getattr(self, "_entered", True):
@@ -149,6 +194,13 @@ class _EnableContext(contextlib.AbstractContextManager):  # type: ignore[type-ar
             )
 
 
+class _DisableContext(_HookContext):
+    """What ``disable()`` returns."""
+
+    def _install(self) -> None:
+        ca_core.uninstall_engine_hook()
+
+
 def enable(compiler_fn: CompilerFn | str) -> _EnableContext:
     """Compiles every ``backward()``/``autograd.grad`` inside the context.
 
@@ -157,21 +209,18 @@ def enable(compiler_fn: CompilerFn | str) -> _EnableContext:
     a backend name accepted by ``torch.compile``. Use it as ``with
     enable(...) as runtime:``; on exit, by return or by exception, the engine
     hook that was active before is restored (see [Note: Restoring the engine
-    hook]). A call that is never entered warns. The hook is process-global:
-    a backward on any thread inside the context is compiled.
+    hook]). A call that is never entered warns.
+
+    The engine hook is process-global: while the context is open, a backward
+    on any thread is compiled. Contexts opened on several threads may exit in
+    any order; see [Note: Contexts entered on several threads].
     """
     return _EnableContext(compiler_fn)
 
 
-@contextlib.contextmanager
-def disable() -> Iterator[None]:
+def disable() -> _DisableContext:
     """Runs backwards on the eager engine inside the context, then restores."""
-    prior = _HookState.current()
-    ca_core.uninstall_engine_hook()
-    try:
-        yield
-    finally:
-        prior.restore()
+    return _DisableContext()
 
 
 def reset() -> None:
