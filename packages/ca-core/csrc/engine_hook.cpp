@@ -96,32 +96,6 @@ PyObject* g_runtime = nullptr;
 /// The cache root of the installed runtime's compiler; see [Note: One cache per compiler].
 ShadowNode* g_cache = nullptr;
 
-/// Holds the GIL for a scope (the engine calls the hook without it).
-struct GilAcquire {
-  GilAcquire() : state_(PyGILState_Ensure()) {}
-  ~GilAcquire() {
-    PyGILState_Release(state_);
-  }
-  GilAcquire(const GilAcquire&) = delete;
-  GilAcquire& operator=(const GilAcquire&) = delete;
-
- private:
-  PyGILState_STATE state_;
-};
-
-/// Releases the GIL for a scope.
-struct GilRelease {
-  GilRelease() : save_(PyEval_SaveThread()) {}
-  ~GilRelease() {
-    PyEval_RestoreThread(save_);
-  }
-  GilRelease(const GilRelease&) = delete;
-  GilRelease& operator=(const GilRelease&) = delete;
-
- private:
-  PyThreadState* save_;
-};
-
 /// Depth of our hook on this thread; > 0 means a backward inside a backward.
 thread_local int t_hook_depth = 0;
 struct DepthGuard {
@@ -138,7 +112,7 @@ variable_list run_eager(
     const c10::intrusive_ptr<Node>& root,
     const GraphTask& graph_task) {
   auto task = const_cast<GraphTask&>(graph_task).shared_from_this();
-  GilRelease no_gil;
+  nb::gil_scoped_release no_gil;
   auto future = Engine::get_default_engine().execute_with_graph_task(
       task, root, InputBuffer(variable_list()));
   future->wait();
@@ -598,7 +572,7 @@ variable_list compiled_backward_with_gil(
     // Eager runs leaf nodes, their hooks and the final callbacks without the
     // GIL: a callback (DDP's finalize_backward) may wait for a thread that
     // needs it. See [Note: Final callbacks].
-    GilRelease no_gil;
+    nb::gil_scoped_release no_gil;
     accumulate_leaf_grads(*state, leaf_outputs, leaf_hooks_only, leaf_grads);
     if (!state->keep_graph) {
       for (auto& ns : state->nodes) {
@@ -621,7 +595,8 @@ variable_list compiled_backward(
     const GraphTask& graph_task,
     bool accumulate_grad,
     const torch::autograd::edge_list& output_edges) {
-  GilAcquire gil;
+  // The engine calls the hook without the GIL.
+  nb::gil_scoped_acquire gil;
   try {
     return compiled_backward_with_gil(
         root, graph_task, accumulate_grad, output_edges);

@@ -98,7 +98,7 @@ def _drop_cache(key: str) -> None:
         ca_core.drop_cache_root(key)
 
 
-def _resolve_compiler(compiler_fn: object) -> tuple[CompilerFn, str]:
+def _resolve_compiler(compiler_fn: object) -> CompilerFn:
     if isinstance(compiler_fn, str):
         valid = _valid_backends()
         if compiler_fn not in valid:
@@ -115,13 +115,13 @@ def _resolve_compiler(compiler_fn: object) -> tuple[CompilerFn, str]:
             # (see [Note: Dynamic sizes]) are honoured.
             return torch.compile(gm, backend=backend, dynamic=None)
 
-        return compile_with_backend, f"torch.compile(backend={backend!r})"
+        return compile_with_backend
     if not callable(compiler_fn):
         raise TypeError(
             "compiler_fn must be a callable taking a torch.fx.GraphModule and returning "
             f"a callable, or a backend name string; got {type(compiler_fn).__name__}"
         )
-    return compiler_fn, getattr(compiler_fn, "__name__", repr(compiler_fn))  # type: ignore[return-value]
+    return compiler_fn  # type: ignore[return-value]
 
 
 #: Open enable()/disable() contexts, in entry order; see [Note: Contexts entered on several threads].
@@ -169,13 +169,13 @@ class _EnableContext(_HookContext):
 
     def __init__(self, compiler_fn: CompilerFn | str) -> None:
         self._compiler_fn = compiler_fn
-        self._compiler, self._description = _resolve_compiler(compiler_fn)
+        self._compiler = _resolve_compiler(compiler_fn)
         self._entered = False  # set last: a rejected compiler_fn does not warn
 
     def _install(self) -> Runtime:
         self._entered = True
         keep_hook_across_torch_disable()
-        runtime = Runtime(self._compiler, self._description)
+        runtime = Runtime(self._compiler)
         runtime.compiler_key = _compiler_key(self._compiler_fn)
         ca_core.install_engine_hook(runtime, runtime.compiler_key)
         return runtime

@@ -47,29 +47,23 @@ from torch._dynamo.external_utils import FakeBackwardCFunction, call_backward
 
 from ca_runtime._capture import UnsupportedNode, build_graph_module
 from ca_runtime._log import EagerFallbackWarning, GraphBreakWarning, log, miss_log
+from ca_runtime._state import STATE
 
 __all__ = ["Runtime", "graph_break_count", "last_graph", "reset_graph_breaks"]
 
-_graph_breaks = 0
-_last_graph: torch.fx.GraphModule | None = None
-
-
 def last_graph() -> torch.fx.GraphModule | None:
     """The FX graph of the most recent capture (``print(last_graph().code)``), or None."""
-    return _last_graph
-_logged_breaks: set[tuple[str, str]] = set()
+    return STATE.last_graph
 
 
 def graph_break_count() -> int:
     """Graph breaks in the graphs captured since the last reset."""
-    return _graph_breaks
+    return STATE.graph_breaks
 
 
 def reset_graph_breaks() -> None:
-    """Zeroes the graph-break counter and forgets which breaks were logged."""
-    global _graph_breaks
-    _graph_breaks = 0
-    _logged_breaks.clear()
+    """Zeroes the graph-break counter and forgets which breaks were warned about."""
+    STATE.reset()
 
 
 _FRAMEWORK_DIRS = tuple(
@@ -115,10 +109,8 @@ CompilerFn = Callable[[torch.fx.GraphModule], Callable[..., Any]]
 class Runtime:
     """Serves one ``enable()`` context: its compiler and its last captured graph."""
 
-    def __init__(self, compiler_fn: CompilerFn, description: str) -> None:
+    def __init__(self, compiler_fn: CompilerFn) -> None:
         self.compiler_fn = compiler_fn
-        self.description = description
-        self.last_graph: torch.fx.GraphModule | None = None
         #: The reason of the last fallback warned about; ca_core stores it on
         #: the failed cache entry (``cache_info()``).
         self.last_failure = ""
@@ -137,9 +129,7 @@ class Runtime:
             self._fallback("capture", _describe(e))
             return None
         gm = captured.graph_module
-        self.last_graph = gm
-        global _last_graph
-        _last_graph = gm
+        STATE.set_last_graph(gm)
         self._log_miss(graph)
         log.debug("captured backward of %d nodes:\n%s", len(graph.nodes), gm.code)
         try:
@@ -150,17 +140,10 @@ class Runtime:
         if not callable(compiled):
             self._fallback("compiler_fn", f"returned {type(compiled).__name__}, not a callable")
             return None
-        global _graph_breaks
-        _graph_breaks += len(captured.graph_breaks)
-        for brk in captured.graph_breaks:
-            if (brk.node_name, brk.reason) not in _logged_breaks:
-                _logged_breaks.add((brk.node_name, brk.reason))
-                message = (
-                    f"ca_runtime: graph break at {brk.node_name} (node {brk.node_index}): "
-                    f"{brk.reason}"
-                )
-                log.info(message)
-                warnings.warn(message, GraphBreakWarning, stacklevel=2)
+        for brk in STATE.record_capture(gm, captured.graph_breaks):
+            message = f"ca_runtime: graph break at {brk.node_name} (node {brk.node_index}): {brk.reason}"
+            log.info(message)
+            warnings.warn(message, GraphBreakWarning, stacklevel=2)
         return compiled, captured.leaf_outputs, captured.leaf_hooks_only
 
     def run_first(

@@ -1,0 +1,58 @@
+"""The Python side's process-wide state, in one place and under one lock.
+
+ca_core keeps its counters (captures, hits, fallbacks) as C++ atomics; what
+only Python knows lives here: graph breaks counted over the captured graphs,
+the most recent captured graph (``last_graph()``) and which breaks were
+already warned about. Captures can happen on several threads at once (two
+threads' backwards missing together), so every change takes the lock. None of
+it is touched on the cache-hit path.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+__all__ = ["STATE", "RuntimeState"]
+
+
+class _Break(Protocol):
+    node_name: str
+    reason: str
+
+
+class RuntimeState:
+    """See the module docstring; ``reset()`` (``ca_runtime.reset``) empties it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        #: Graph breaks in the graphs captured since the last reset.
+        self.graph_breaks = 0
+        #: The FX graph of the most recent capture.
+        self.last_graph: torch.fx.GraphModule | None = None
+        #: (node name, reason) of every break already warned about.
+        self._warned_breaks: set[tuple[str, str]] = set()
+
+    def record_capture(self, graph: torch.fx.GraphModule, breaks: Sequence[_Break]) -> list[_Break]:
+        """Counts a captured graph's breaks; returns those not warned about before."""
+        with self._lock:
+            self.last_graph = graph
+            self.graph_breaks += len(breaks)
+            new = [b for b in breaks if (b.node_name, b.reason) not in self._warned_breaks]
+            self._warned_breaks.update((b.node_name, b.reason) for b in new)
+            return new
+
+    def set_last_graph(self, graph: torch.fx.GraphModule) -> None:
+        with self._lock:
+            self.last_graph = graph
+
+    def reset(self) -> None:
+        with self._lock:
+            self.graph_breaks = 0
+            self._warned_breaks.clear()
+
+
+STATE = RuntimeState()
