@@ -63,15 +63,49 @@ def sweep(session: nox.Session) -> None:
     session.run("mkdir", "-p", "sweep", external=True)
     for impl in ("ca", "torch"):
         session.run(
-            "python", "-m", "ca_testkit", "sweep", "--backend", "aot_eager", "--impl", impl,
-            "--jobs", "2", "--json", f"sweep/{impl}.json", *session.posargs,
+            "python",
+            "-m",
+            "ca_testkit",
+            "sweep",
+            "--backend",
+            "aot_eager",
+            "--impl",
+            impl,
+            "--jobs",
+            "2",
+            "--json",
+            f"sweep/{impl}.json",
+            *session.posargs,
         )
     session.run(
-        "python", "-m", "ca_testkit", "sweep", "--impl", "ca", "--jobs", "2", *session.posargs,
-        "--backend", "inductor", "--every", "25", "--samples", "2", "--json", "sweep/ca-inductor.json",
+        "python",
+        "-m",
+        "ca_testkit",
+        "sweep",
+        "--impl",
+        "ca",
+        "--jobs",
+        "2",
+        *session.posargs,
+        "--backend",
+        "inductor",
+        "--every",
+        "25",
+        "--samples",
+        "2",
+        "--json",
+        "sweep/ca-inductor.json",
     )
-    session.run("python", "-m", "ca_testkit", "report", "sweep/ca.json", "sweep/torch.json",
-                "--markdown", "sweep/comparison.md")
+    session.run(
+        "python",
+        "-m",
+        "ca_testkit",
+        "report",
+        "sweep/ca.json",
+        "sweep/torch.json",
+        "--markdown",
+        "sweep/comparison.md",
+    )
 
 
 @nox.session(python="3.11", default=False)
@@ -84,6 +118,22 @@ def fuzz(session: nox.Session) -> None:
     extra = session.posargs or ["--examples", "10000"]
     for backend in ("eager", "aot_eager"):
         session.run("python", "-m", "ca_testkit", "fuzz", "--backend", backend, "--jobs", "2", *extra)
+
+
+LINT_REQUIREMENTS = ("ruff==0.17.6", "mypy==2.4.1")
+SOURCE_DIRS = tuple(f"{p}/src" for p in PACKAGES)
+
+
+@nox.session(python="3.11")
+def lint(session: nox.Session) -> None:
+    """ruff check, ruff format --check, and mypy over every package's src/ (run by .ci/run before the tests).
+
+    mypy reads the sources in place (and ca_core's ``_C.pyi``), so nothing is built; torch is installed for its types.
+    """
+    session.install(*LINT_REQUIREMENTS, *(r for r in BUILD_REQUIREMENTS if r.startswith("torch")))
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+    session.run("mypy", *SOURCE_DIRS, env={"MYPYPATH": ":".join(SOURCE_DIRS)})
 
 
 @nox.session(python="3.11")

@@ -34,7 +34,9 @@ def main() -> None:
                 p.grad = None
             with torch.profiler.profile() as prof, implementation(impl, work.compiler):
                 loss.backward()
-            print(f"===== {work.name} / {impl}: median of 20 warm backwards {statistics.median(times[3:]) * 1e3:.2f} ms")
+            print(
+                f"===== {work.name} / {impl}: median of 20 warm backwards {statistics.median(times[3:]) * 1e3:.2f} ms"
+            )
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
 
 

@@ -31,9 +31,9 @@ from pathlib import Path
 from typing import Any
 
 import ca_runtime
+import torch
 import torch._inductor.codecache
 import torch._inductor.config
-import torch
 from torch._dynamo import compiled_autograd as torch_ca
 from torch._dynamo.utils import counters
 
@@ -89,7 +89,10 @@ def _graph_nodes(loss: torch.Tensor) -> int:
 def mlp(batch: int = 64) -> Workload:
     torch.manual_seed(0)
     model = torch.nn.Sequential(
-        torch.nn.Linear(512, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024), torch.nn.ReLU(),
+        torch.nn.Linear(512, 1024),
+        torch.nn.ReLU(),
+        torch.nn.Linear(1024, 1024),
+        torch.nn.ReLU(),
         torch.nn.Linear(1024, 10),
     )
     x, y = torch.randn(batch, 512), torch.randint(0, 10, (batch,))
@@ -128,17 +131,25 @@ def chain(n: int) -> Workload:
 class Decoder(torch.nn.Module):
     """A GPT-style decoder: token + position embeddings, pre-norm causal blocks, tied head."""
 
-    def __init__(self, vocab: int = 512, d: int = 256, heads: int = 4, layers: int = 4, seq: int = 64) -> None:
+    def __init__(
+        self, vocab: int = 512, d: int = 256, heads: int = 4, layers: int = 4, seq: int = 64
+    ) -> None:
         super().__init__()
         self.heads = heads
         self.embed = torch.nn.Embedding(vocab, d)
         torch.nn.init.normal_(self.embed.weight, std=0.02)
         self.pos = torch.nn.Parameter(torch.randn(seq, d) * 0.02)
         self.blocks = torch.nn.ModuleList(
-            torch.nn.ModuleDict({
-                "ln1": torch.nn.LayerNorm(d), "qkv": torch.nn.Linear(d, 3 * d), "proj": torch.nn.Linear(d, d),
-                "ln2": torch.nn.LayerNorm(d), "up": torch.nn.Linear(d, 4 * d), "down": torch.nn.Linear(4 * d, d),
-            })
+            torch.nn.ModuleDict(
+                {
+                    "ln1": torch.nn.LayerNorm(d),
+                    "qkv": torch.nn.Linear(d, 3 * d),
+                    "proj": torch.nn.Linear(d, d),
+                    "ln2": torch.nn.LayerNorm(d),
+                    "up": torch.nn.Linear(d, 4 * d),
+                    "down": torch.nn.Linear(4 * d, d),
+                }
+            )
             for _ in range(layers)
         )
         self.ln = torch.nn.LayerNorm(d)
@@ -182,9 +193,16 @@ def compiled_training_step(iters: int, warmup: int = 3) -> dict[str, Any]:
             loss.backward()
         return middle - start, time.perf_counter() - middle
 
-    row: dict[str, Any] = {"workload": "compiled training step: decoder 4x d256 h4 s64 b8", "backend": "inductor",
-                           "nodes": 0, "first_s": {}, "first_forward_s": {}, "first_backward_s": {},
-                           "captures": {}, "dynamo_graphs": {}}
+    row: dict[str, Any] = {
+        "workload": "compiled training step: decoder 4x d256 h4 s64 b8",
+        "backend": "inductor",
+        "nodes": 0,
+        "first_s": {},
+        "first_forward_s": {},
+        "first_backward_s": {},
+        "captures": {},
+        "dynamo_graphs": {},
+    }
     # A throw-away compile first, so that no implementation pays the
     # process's one-time Dynamo/Inductor start-up; then ours before torch's,
     # as in measure(): whatever the second reuses favours torch's.
@@ -224,17 +242,25 @@ def compiled_training_step(iters: int, warmup: int = 3) -> dict[str, Any]:
 def training_markdown(r: dict[str, Any]) -> str:
     m, f, b = r["median_s"], r["first_s"], r["median_backward_s"]
     ff, fb = r["first_forward_s"], r["first_backward_s"]
-    return "\n".join([
-        "| workload | compile alone ms | + torch's CA ms | + ours ms | ours/compile | ours/torch "
-        "| backward alone compile / torch / ours ms "
-        "| first step compile / torch / ours s (forward + backward) | ours/torch first | captures torch / ours |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-        f"| {r['workload']} | {m['compile'] * 1e3:.2f} | {m['torch'] * 1e3:.2f} | {m['ours'] * 1e3:.2f} | "
-        f"{r['ours_over_compile']:.2f} | {r['ours_over_torch']:.2f} | "
-        f"{b['compile'] * 1e3:.1f} / {b['torch'] * 1e3:.1f} / {b['ours'] * 1e3:.1f} | "
-        + " / ".join(f"{f[i]:.1f} ({ff[i]:.1f} + {fb[i]:.1f})" for i in ("compile", "torch", "ours"))
-        + f" | {r['first_ours_over_torch']:.2f} | {r['captures']['torch']} / {r['captures']['ours']} |",
-    ]) + "\n"
+    return (
+        "\n".join(
+            [
+                (
+                    "| workload | compile alone ms | + torch's CA ms | + ours ms | ours/compile | ours/torch "
+                    "| backward alone compile / torch / ours ms "
+                    "| first step compile / torch / ours s (forward + backward) | ours/torch first "
+                    "| captures torch / ours |"
+                ),
+                "|---|---|---|---|---|---|---|---|---|---|",
+                f"| {r['workload']} | {m['compile'] * 1e3:.2f} | {m['torch'] * 1e3:.2f} | {m['ours'] * 1e3:.2f} | "
+                f"{r['ours_over_compile']:.2f} | {r['ours_over_torch']:.2f} | "
+                f"{b['compile'] * 1e3:.1f} / {b['torch'] * 1e3:.1f} / {b['ours'] * 1e3:.1f} | "
+                + " / ".join(f"{f[i]:.1f} ({ff[i]:.1f} + {fb[i]:.1f})" for i in ("compile", "torch", "ours"))
+                + f" | {r['first_ours_over_torch']:.2f} | {r['captures']['torch']} / {r['captures']['ours']} |",
+            ]
+        )
+        + "\n"
+    )
 
 
 def time_backward(work: Workload, impl: str) -> float:
@@ -265,7 +291,11 @@ def reset_all() -> None:
 def measure(work: Workload, iters: int, warmup: int = 3) -> dict[str, Any]:
     work.nodes = _graph_nodes(work.forward(0))
     row: dict[str, Any] = {
-        "workload": work.name, "nodes": work.nodes, "first_s": {}, "captures": {}, "dynamo_graphs": {}
+        "workload": work.name,
+        "nodes": work.nodes,
+        "first_s": {},
+        "captures": {},
+        "dynamo_graphs": {},
     }
     # Ours first: if the second compiled autograd reuses anything compiled in
     # this process despite reset_all(), the advantage goes to torch's.
@@ -308,15 +338,21 @@ def batch_sweep(compiler: Compiler, sizes: tuple[int, ...] = (4, 8, 16, 32, 8, 6
             loss = torch.nn.functional.cross_entropy(model(torch.randn(b, 32)), torch.randint(0, 10, (b,)))
             with implementation(impl, compiler):
                 loss.backward()
-        captures = ca_runtime.stats()["captures"] if impl == "ours" else int(counters["compiled_autograd"]["captures"])
+        captures = (
+            ca_runtime.stats()["captures"]
+            if impl == "ours"
+            else int(counters["compiled_autograd"]["captures"])
+        )
         out[impl] = {"captures": captures, "dynamo_graphs": int(counters["stats"]["unique_graphs"])}
     return out
 
 
 def markdown(rows: list[dict[str, Any]], sweep: dict[str, Any], per_node: dict[str, Any]) -> str:
     lines = [
-        "| workload | backend | nodes | eager ms | torch ms | ours ms | ours/eager | ours/torch | first backward torch / ours s "
-        "| captures torch / ours | Dynamo graphs torch / ours |",
+        (
+            "| workload | backend | nodes | eager ms | torch ms | ours ms | ours/eager | ours/torch "
+            "| first backward torch / ours s | captures torch / ours | Dynamo graphs torch / ours |"
+        ),
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -330,9 +366,11 @@ def markdown(rows: list[dict[str, Any]], sweep: dict[str, Any], per_node: dict[s
         )
     lines += [
         "",
-        f"Batch sweep {sweep['workload']}: torch {sweep['torch']['captures']} captures / "
-        f"{sweep['torch']['dynamo_graphs']} Dynamo graphs; ours {sweep['ours']['captures']} captures / "
-        f"{sweep['ours']['dynamo_graphs']} Dynamo graphs.",
+        (
+            f"Batch sweep {sweep['workload']}: torch {sweep['torch']['captures']} captures / "
+            f"{sweep['torch']['dynamo_graphs']} Dynamo graphs; ours {sweep['ours']['captures']} captures / "
+            f"{sweep['ours']['dynamo_graphs']} Dynamo graphs."
+        ),
         "",
         "Per-node cost from the chain workloads (slope between N=10 and N=1000, of median and of minimum times):",
         "",
@@ -398,7 +436,12 @@ def main() -> None:
         work = make()
         work.compiler = backend(model_backend)
         rows.append({**measure(work, args.iters), "backend": model_backend})
-        print(rows[-1]["workload"], model_backend, {k: f"{v * 1e3:.2f}ms" for k, v in rows[-1]["median_s"].items()}, flush=True)
+        print(
+            rows[-1]["workload"],
+            model_backend,
+            {k: f"{v * 1e3:.2f}ms" for k, v in rows[-1]["median_s"].items()},
+            flush=True,
+        )
     work = transformer()
     work.compiler = backend("aot_eager")
     rows.append({**measure(work, 5, warmup=1), "backend": "aot_eager"})
@@ -407,7 +450,12 @@ def main() -> None:
             work = chain(n)
             work.compiler = compiler
             rows.append({**measure(work, args.iters), "backend": name})
-            print(rows[-1]["workload"], name, {k: f"{v * 1e6:.0f}us" for k, v in rows[-1]["median_s"].items()}, flush=True)
+            print(
+                rows[-1]["workload"],
+                name,
+                {k: f"{v * 1e6:.0f}us" for k, v in rows[-1]["median_s"].items()},
+                flush=True,
+            )
     per_node = {}
     for name in ("eager", "no-work"):
         small = next(r for r in rows if r["workload"] == "chain 10" and r["backend"] == name)
@@ -421,7 +469,9 @@ def main() -> None:
             }
     sweep = batch_sweep(backend("aot_eager"))
     (out / "results.json").write_text(
-        json.dumps({"rows": rows, "batch_sweep": sweep, "per_node_us": per_node, "training": training}, indent=1)
+        json.dumps(
+            {"rows": rows, "batch_sweep": sweep, "per_node_us": per_node, "training": training}, indent=1
+        )
     )
     table = markdown(rows, sweep, per_node) + "\n" + training_markdown(training)
     (out / "results.md").write_text(table)

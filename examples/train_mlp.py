@@ -16,7 +16,9 @@ from ca_testkit.scenarios import batch, make_mlp
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--backend", default="aot_eager", help="torch.compile backend (eager, aot_eager, inductor)")
+    parser.add_argument(
+        "--backend", default="aot_eager", help="torch.compile backend (eager, aot_eager, inductor)"
+    )
     parser.add_argument("--steps", type=int, default=5)
     args = parser.parse_args()
 
@@ -45,7 +47,9 @@ def main() -> None:
                 torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-6)
                 for a, b in zip(eager_model.parameters(), compiled_model.parameters())
             )
-            print(f"step {step}: loss {loss.item():.4f}  backward {elapsed * 1e3:9.2f} ms  grads match eager: {match}")
+            print(
+                f"step {step}: loss {loss.item():.4f}  backward {elapsed * 1e3:9.2f} ms  grads match eager: {match}"
+            )
             eager_opt.step()
             compiled_opt.step()
             if not match:

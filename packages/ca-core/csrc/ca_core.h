@@ -42,7 +42,7 @@ Its tensor_args, all_size_inputs and lifted_ivalue_args then hold exactly the
 values *this* node lifted, in the order its compiled_args visited them, which is
 the order SwapSavedVariables consumes them in apply_with_saved. That is what
 lets apply_with_saved(node, inputs, saved_tensors, saved_sizes, saved_scalars)
-take a node's saved values explicitly (the seed-001 swap) without patching
+take a node's saved values explicitly (a swap per call) without patching
 torch's header. The price is that torch's edge ids (node_calls) would be local
 to the node, so the walk writes its own graph-wide node ids for every next edge
 into the key; see [Note: Cache key].

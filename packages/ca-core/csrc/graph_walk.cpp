@@ -106,9 +106,8 @@ compiled graph must be guarded on every assumption it made about it:
     them, a bound) is a Dynamo guard on these input tensors' shapes.
 A hit therefore never runs a graph outside what it was compiled for: it is
 either served by the graph Dynamo compiled for those values or recompiled.
-(Before this encoding a negative value on a dynamic size crashed the hit in
-at::empty; tests/test_size_guards.py runs the ops above through sequences of
-sizes and scalars, 0, 1 and negative ones included.)
+ca_runtime's tests/test_size_guards.py runs the ops above through sequences
+of sizes and scalars, 0, 1 and negative ones included.
 
 [Note: Static when dynamic fails]
 Some backward formulas cannot be traced with symbolic sizes in torch 2.13

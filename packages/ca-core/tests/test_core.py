@@ -9,7 +9,7 @@ import torch
 
 def test_gateway_reports_torch_version() -> None:
     assert ca_core.TORCH_VERSION.split("+")[0] == torch.__version__.split("+")[0]
-    with pytest.raises(ImportError, match="torch==9.9.9"):
+    with pytest.raises(ImportError, match=r"torch==9\.9\.9"):
         ca_core._check_torch("9.9.9")
 
 
@@ -36,7 +36,7 @@ class RecordingRuntime:
 
     def capture(self, graph):
         self.graphs.append(graph)
-        return None  # ask for the eager fallback
+        # ask for the eager fallback
 
     def run_first(self, compiled, inputs, sizes, scalars):  # pragma: no cover - not reached
         return compiled(inputs, sizes, scalars)

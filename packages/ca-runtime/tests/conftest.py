@@ -17,7 +17,9 @@ def pytest_configure(config: pytest.Config) -> None:
     # Also registered at the repository root; repeated here so that running
     # this package's tests alone (its own rootdir) knows the marker.
     config.addinivalue_line("markers", "inductor: compiles with inductor (10-100 s each on 2 cores)")
-    config.addinivalue_line("markers", "distributed: starts 2-rank gloo jobs in fresh processes (about 10 s each)")
+    config.addinivalue_line(
+        "markers", "distributed: starts 2-rank gloo jobs in fresh processes (about 10 s each)"
+    )
 
 
 @pytest.fixture(params=["eager", "aot_eager"])

@@ -52,7 +52,9 @@ def test_batch_sweep_does_not_recompile_in_dynamo(backend: str) -> None:
 
 def test_sequence_length_changes_on_a_transformer_layer(backend: str) -> None:
     torch.manual_seed(0)
-    layer = torch.nn.TransformerEncoderLayer(d_model=16, nhead=2, dim_feedforward=32, dropout=0.0, batch_first=True)
+    layer = torch.nn.TransformerEncoderLayer(
+        d_model=16, nhead=2, dim_feedforward=32, dropout=0.0, batch_first=True
+    )
     lengths = [5, 7, 9, 5, 12]
 
     def step(i: int) -> None:
@@ -154,7 +156,9 @@ def test_failing_capture_falls_back_once_and_is_remembered(
     model = make_mlp()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        result = compare(_mlp_batch_step(model, [4, 4, 4]), backend, tensors=model, steps=3, expect_capture=False)
+        result = compare(
+            _mlp_batch_step(model, [4, 4, 4]), backend, tensors=model, steps=3, expect_capture=False
+        )
     result.assert_ok()
     fallbacks = [w for w in caught if issubclass(w.category, ca_runtime.EagerFallbackWarning)]
     assert len(fallbacks) == 1 and "capture bug injected" in str(fallbacks[0].message)
@@ -271,6 +275,7 @@ def test_coexists_with_torch_builtin_compiled_autograd(order: str) -> None:
     script = pathlib.Path(__file__).parent / "scripts" / "coexistence.py"
     proc = subprocess.run(
         [sys.executable, str(script), order, "aot_eager"],
+        check=False,
         capture_output=True,
         text=True,
         timeout=600,
@@ -328,3 +333,12 @@ def test_lifted_scalars_and_nothing_lifted_nodes_match_eager(backend: str, scale
 
     result = compare(run, backend, tensors={"w": w}, steps=3, rtol=1e-4)
     result.assert_ok()
+
+
+def test_reset_forgets_the_last_graph(backend: str) -> None:
+    x = torch.ones(3, requires_grad=True)
+    with ca_runtime.enable(backend):
+        (x * 2).sum().backward()
+    assert ca_runtime.last_graph() is not None
+    ca_runtime.reset()
+    assert ca_runtime.last_graph() is None and ca_runtime.stats()["graph_breaks"] == 0

@@ -151,7 +151,7 @@ _WITH_INDUCTOR = ["eager", "aot_eager", pytest.param("inductor", marks=pytest.ma
 
 @pytest.mark.parametrize("backend", _WITH_INDUCTOR)
 def test_r2_untraceable_cpp_function_writes_through_data_ptr(backend: str, cpp_ext: ModuleType) -> None:
-    """Seed r2.py case 2: a graph break runs the backward on the real grad."""
+    """An untraceable C++ Function: a graph break runs its backward on the real grad."""
     x = torch.ones(2, 2, requires_grad=True)
 
     def step() -> None:
@@ -166,7 +166,7 @@ def test_r2_untraceable_cpp_function_writes_through_data_ptr(backend: str, cpp_e
 
 @pytest.mark.parametrize("backend", _WITH_INDUCTOR)
 def test_r2_no_guessed_metadata(backend: str, cpp_ext: ModuleType) -> None:
-    """Seed r2.py case 3: the hook sees the real, non-contiguous grad."""
+    """A layout-dependent C++ Function sees the real, non-contiguous grad."""
     x = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]], requires_grad=True)
     seen: list[bool] = []
 
@@ -308,7 +308,8 @@ def test_non_reentrant_checkpoint_breaks_once_per_region(backend: str, block: st
     torch.manual_seed(0)
     if block == "mlp":
         blocks = torch.nn.ModuleList(
-            torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8)) for _ in range(3)
+            torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))
+            for _ in range(3)
         )
         x = torch.randn(4, 8)
     else:

@@ -83,9 +83,7 @@ def _grad_fn_hooks(model: torch.nn.Sequential, log: list[str]) -> torch.Tensor:
 def _module_hooks(model: torch.nn.Sequential, log: list[str]) -> torch.Tensor:
     handles = [
         model[0].register_full_backward_pre_hook(lambda m, go: log.append("pre0")),
-        model[2].register_full_backward_pre_hook(
-            lambda m, go: (log.append("pre2"), (go[0] * 2,))[1]
-        ),
+        model[2].register_full_backward_pre_hook(lambda m, go: (log.append("pre2"), (go[0] * 2,))[1]),
         model[0].register_full_backward_hook(lambda m, gi, go: log.append(f"full0 {len(gi)}")),
         model[2].register_full_backward_hook(lambda m, gi, go: log.append("full2")),
     ]
@@ -100,9 +98,7 @@ _handles: list[Any] = []
 def _post_accumulate(model: torch.nn.Sequential, log: list[str]) -> torch.Tensor:
     for name, p in model.named_parameters():
         _handles.append(
-            p.register_post_accumulate_grad_hook(
-                functools.partial(_sgd_in_backward, name=name, log=log)
-            )
+            p.register_post_accumulate_grad_hook(functools.partial(_sgd_in_backward, name=name, log=log))
         )
     return model(INPUT)
 
@@ -185,9 +181,7 @@ def test_all_hook_kinds_together(backend: str, cpp_ext: ModuleType) -> None:
     def build(model: torch.nn.Sequential, log: list[str]) -> torch.Tensor:
         _module_hooks(model, log)
         _handles.extend(
-            p.register_post_accumulate_grad_hook(
-                functools.partial(_sgd_in_backward, name=name, log=log)
-            )
+            p.register_post_accumulate_grad_hook(functools.partial(_sgd_in_backward, name=name, log=log))
             for name, p in model.named_parameters()
         )
         x = INPUT.clone().requires_grad_()
@@ -211,7 +205,7 @@ def test_all_hook_kinds_together(backend: str, cpp_ext: ModuleType) -> None:
     "compiler", ["eager", "aot_eager", pytest.param("inductor", marks=pytest.mark.inductor)]
 )
 def test_r2_hook_with_side_effect(compiler: str) -> None:
-    """Seed r2.py case 1: the hook sees eager's grad once and its result is used."""
+    """The hook sees eager's grad once and its result is used."""
     seen: list[torch.Tensor] = []
     x = torch.tensor([1.0, 2.0, 3.0], requires_grad=True)
 

@@ -1,4 +1,4 @@
-"""Eager parity: one cache per compiler, and user errors that change nothing (issue 12, points 1-2)."""
+"""Eager parity: one cache per compiler, and user errors that change nothing."""
 
 from __future__ import annotations
 
@@ -169,9 +169,8 @@ def test_failed_entries_show_their_reason_and_can_be_retried() -> None:
         raise RuntimeError("this compiler is broken today")
 
     x = torch.randn(3, requires_grad=True)
-    with pytest.warns(ca_runtime.EagerFallbackWarning):
-        with ca_runtime.enable(broken):
-            (x * 2).sum().backward()
+    with pytest.warns(ca_runtime.EagerFallbackWarning), ca_runtime.enable(broken):
+        (x * 2).sum().backward()
     (entry,) = ca_runtime.cache_info()
     assert entry.failed and "this compiler is broken today" in entry.failure, entry
     ca_runtime.cache_clear_failed()
@@ -258,7 +257,10 @@ def _saved_after_backward(retain_graph: bool) -> list[str]:
     ctx, exp_node = y.grad_fn, h.grad_fn
     (y.sum() + h.sum()).backward(retain_graph=retain_graph)
     seen = []
-    for name, read in (("ctx.saved_tensors", lambda: ctx.saved_tensors), ("_saved_result", lambda: exp_node._saved_result)):
+    for name, read in (
+        ("ctx.saved_tensors", lambda: ctx.saved_tensors),
+        ("_saved_result", lambda: exp_node._saved_result),
+    ):
         try:
             read()
             seen.append(f"{name}: alive")

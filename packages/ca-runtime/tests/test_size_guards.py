@@ -30,7 +30,7 @@ def _conv(x: torch.Tensor, a: tuple[int, int, int]) -> torch.Tensor:
 
 #: op name -> (the op of (input, argument), [(input shape, argument), ...]).
 SEQUENCES: dict[str, tuple[Op, Sequence[tuple[tuple[int, ...], Any]]]] = {
-    # The issue's repro: a saved SymInt diagonal goes dynamic, then negative.
+    # A saved SymInt diagonal goes dynamic, then negative (it once crashed the hit).
     "tril": (lambda x, d: x.tril(d), [((10, 10), 0), ((10, 10), 2), ((10, 5), 0), ((10, 5), -1), ((1, 5), -3), ((0, 4), 1), ((6, 6), -7), ((6, 6), 1)]),
     "triu": (lambda x, d: x.triu(d), [((10, 10), 0), ((10, 10), 2), ((10, 5), 0), ((10, 5), -1), ((1, 5), -3), ((0, 4), 1), ((4, 4), 3)]),
     "diagonal": (lambda x, d: x.diagonal(d), [((5, 5), 0), ((5, 5), 1), ((6, 4), 0), ((6, 4), -2), ((1, 1), 0), ((3, 3), -1), ((4, 4), 2)]),
@@ -81,7 +81,7 @@ def test_sizes_and_scalars_change_between_backwards(backend: str, name: str) -> 
 
 
 def test_negative_scalar_on_a_dynamic_size_is_a_correct_hit(backend: str) -> None:
-    """The issue's repro: the 4th backward hits the dynamic entry with diagonal -1."""
+    """The 4th backward hits the dynamic entry with diagonal -1 (it once crashed)."""
     steps = [((10, 10), 0), ((10, 10), 2), ((10, 5), 0), ((10, 5), -1), ((10, 5), 3), ((10, 5), -4)]
     result = compare(_sequence_step(lambda x, d: x.tril(d), steps), backend, steps=len(steps))
     assert result.ok, result.report()

@@ -11,8 +11,11 @@ from ca_testkit import compare
 def _mlp(seed: int = 0, width: int = 16) -> torch.nn.Sequential:
     torch.manual_seed(seed)
     return torch.nn.Sequential(
-        torch.nn.Linear(8, width), torch.nn.ReLU(), torch.nn.Linear(width, width),
-        torch.nn.Tanh(), torch.nn.Linear(width, 4),
+        torch.nn.Linear(8, width),
+        torch.nn.ReLU(),
+        torch.nn.Linear(width, width),
+        torch.nn.Tanh(),
+        torch.nn.Linear(width, 4),
     )
 
 
@@ -46,7 +49,9 @@ class _Sandwich(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(1)
-        self.encoder = torch.compile(torch.nn.Sequential(torch.nn.Linear(8, 12), torch.nn.GELU()), backend="aot_eager")
+        self.encoder = torch.compile(
+            torch.nn.Sequential(torch.nn.Linear(8, 12), torch.nn.GELU()), backend="aot_eager"
+        )
         self.scale = torch.nn.Parameter(torch.tensor(1.5))
         self.head = torch.compile(torch.nn.Linear(12, 3), backend="aot_eager")
 
@@ -214,7 +219,9 @@ def _callback_step(x: torch.Tensor, log: list[str]):
                 Variable._execution_engine.queue_callback(lambda: log.append("queued by first"))
 
             Variable._execution_engine.queue_callback(first)
-            Variable._execution_engine.queue_callback(lambda: log.append(f"second sees grad={x.grad is not None}"))
+            Variable._execution_engine.queue_callback(
+                lambda: log.append(f"second sees grad={x.grad is not None}")
+            )
             return grad
 
         y.register_hook(hook)

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import importlib.metadata
-import tomllib
 from pathlib import Path
 
 import ca_core
 import ca_runtime
 import pytest
+import tomllib
 import torch
 
 REPO = Path(__file__).resolve().parents[3]

@@ -38,7 +38,9 @@ def test_ranks_past_the_timeout_are_killed(rank_fns) -> None:
         run_ranks(rank_fns.sleep_on_rank_zero, world_size=2, timeout=15)
 
 
-@pytest.mark.parametrize(("kwargs", "message"), [({"world_size": 0}, "world_size"), ({"timeout": 0}, "timeout")])
+@pytest.mark.parametrize(
+    ("kwargs", "message"), [({"world_size": 0}, "world_size"), ({"timeout": 0}, "timeout")]
+)
 def test_bad_arguments_are_named(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         run_ranks(print, **kwargs)

@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("hypothesis", reason="the fuzzer needs hypothesis (ca-testkit[fuzz])")
 
-from ca_testkit import fuzz  # noqa: E402
+from ca_testkit import fuzz
 
 
 def test_planted_bug_is_found_and_shrunk() -> None:
@@ -32,7 +32,14 @@ def _every_op_program(variants: tuple[fuzz.Variant, ...] = (fuzz.Variant(),)) ->
         for k, op in enumerate(sorted(fuzz.OPS))
     )
     return fuzz.Program(
-        (True,), steps, (len(steps),), seed=3, leaf_hooks=(True,), module_hook=True, backwards=2, variants=variants
+        (True,),
+        steps,
+        (len(steps),),
+        seed=3,
+        leaf_hooks=(True,),
+        module_hook=True,
+        backwards=2,
+        variants=variants,
     )
 
 
@@ -64,7 +71,9 @@ def test_a_sequence_walks_the_cache(backend: str = "eager") -> None:
 
 def test_snippet_replays_the_program(capsys: pytest.CaptureFixture[str]) -> None:
     program = fuzz.Program(
-        (True, False), (fuzz.Step("tril", (0,), "double"),), (2,),
+        (True, False),
+        (fuzz.Step("tril", (0,), "double"),),
+        (2,),
         variants=(fuzz.Variant(), fuzz.Variant(rows=1, scalar=-1.5)),
     )
     namespace: dict[str, object] = {}
@@ -81,6 +90,8 @@ def test_cli_without_the_fuzz_extra_says_what_to_install(
     from ca_testkit.__main__ import main
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "hypothesis" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "hypothesis" else real(name, *a)
+    )
     assert main(["fuzz", "--examples", "1"]) == 2
     assert "pip install 'ca-testkit[fuzz]'" in capsys.readouterr().err

@@ -6,7 +6,7 @@ import pytest
 
 pytest_plugins = ["pytester"]
 
-_PASSING = '''
+_PASSING = """
 import torch
 
 def test_mlp(ca_compare):
@@ -24,9 +24,9 @@ def test_mlp(ca_compare):
 
     results = ca_compare(step, tensors=model, steps=2, max_captures=2)
     assert all(r.ok for r in results)
-'''
+"""
 
-_FAILING = '''
+_FAILING = """
 import pytest
 import torch
 
@@ -40,7 +40,7 @@ def doubling_compiler(gm):
 def test_wrong(ca_compare):
     w = torch.ones(3, requires_grad=True)
     ca_compare(lambda: (w * 3).sum().backward(), tensors={"w": w})
-'''
+"""
 
 
 def test_passing_comparison(pytester: pytest.Pytester) -> None:
@@ -74,7 +74,7 @@ def test_unknown_impl_is_a_clear_error(pytester: pytest.Pytester) -> None:
     result.stdout.fnmatch_lines(["*ValueError: impl: unknown implementation 'nope'*"])
 
 
-_SUITE = '''
+_SUITE = """
 import ca_runtime
 import pytest
 import torch
@@ -100,13 +100,15 @@ def test_sees_ca():
     before = ca_runtime.stats()["captures"]
     (w * 2).sum().backward()
     assert ca_runtime.stats()["captures"] == before, "captured"
-'''
+"""
 
 
 def test_ca_wrap_runs_every_test_twice_and_reports_differences(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(_SUITE)
     json_path = pytester.path / "wrap.json"
-    result = pytester.runpytest_subprocess("--ca-wrap=eager", f"--ca-wrap-json={json_path}", "-p", "no:cacheprovider")
+    result = pytester.runpytest_subprocess(
+        "--ca-wrap=eager", f"--ca-wrap-json={json_path}", "-p", "no:cacheprovider"
+    )
     # 4 tests x 2 modes; test_sees_ca fails only when wrapped.
     result.assert_outcomes(passed=7, failed=1)
     result.stdout.fnmatch_lines(
@@ -132,7 +134,7 @@ def test_ca_wrap_under_xdist(pytester: pytest.Pytester) -> None:
     result.stdout.fnmatch_lines(["1 of 4 tests behave differently under ca_runtime.enable('aot_eager')"])
 
 
-_UNITTEST_SUITE = '''
+_UNITTEST_SUITE = """
 import unittest
 
 import ca_runtime
@@ -152,7 +154,7 @@ class Grads(unittest.TestCase):
         before = served()
         (self.w * 2).sum().backward()
         self.assertEqual(served(), before)
-'''
+"""
 
 
 def test_ca_wrap_runs_unittest_methods_twice(pytester: pytest.Pytester) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import importlib.metadata
 
 
-
 def _check_ca_core() -> None:
     """ca-runtime is released with exactly one ca-core (its pin); fail at import on any other."""
     import re

@@ -88,7 +88,8 @@ def _backward_module(compiled_function: type) -> torch.fx.GraphModule:
     from torch._dynamo.compiled_autograd import extract_bw_module
 
     try:
-        return extract_bw_module(compiled_function)
+        module: torch.fx.GraphModule = extract_bw_module(compiled_function)  # type: ignore[assignment]
+        return module
     except Exception as e:
         raise NotCopyable(f"its backward graph is not available ({type(e).__name__}: {e})") from e
 
@@ -96,9 +97,7 @@ def _backward_module(compiled_function: type) -> torch.fx.GraphModule:
 def _check_copyable(ctx: Any, create_graph: bool) -> type:
     compiled_function = ctx._forward_cls
     if create_graph:
-        raise NotCopyable(
-            "create_graph=True: a torch.compile'd region's backward is not differentiable"
-        )
+        raise NotCopyable("create_graph=True: a torch.compile'd region's backward is not differentiable")
     if compiled_function.maybe_subclass_metadata is not None:
         raise NotCopyable("its grads are tensor subclasses")
     metadata = compiled_function.metadata
@@ -135,9 +134,7 @@ def copy_aot_backward(
     if len(symints) > num_flat:
         raise NotCopyable("its backward graph takes fewer inputs than ctx has symints")
 
-    flat = fx.call_function(
-        _prologue_for(compiled_function), (saved, symints, opaque, list(grads))
-    )
+    flat = fx.call_function(_prologue_for(compiled_function), (saved, symints, opaque, list(grads)))
     bound: list[Any] = [
         symints[i] if i < len(symints) else fx.call_function(operator.getitem, (flat, i))
         for i in range(num_flat)
@@ -169,14 +166,12 @@ def copy_aot_backward(
         raise NotCopyable("its backward graph has no output")
 
     try:
-        result = tuple(compiled_function._bw_epilogue_fn(outputs))
+        result = tuple(compiled_function._bw_epilogue_fn(outputs))  # type: ignore[attr-defined]
     except Exception as e:
         raise NotCopyable(f"its backward epilogue cannot be applied while capturing ({e})") from e
     is_input = function.is_variable_input
     if len(result) != len(is_input):
-        raise NotCopyable(
-            f"its backward returns {len(result)} grads for {len(is_input)} forward inputs"
-        )
+        raise NotCopyable(f"its backward returns {len(result)} grads for {len(is_input)} forward inputs")
     return [grad for grad, is_tensor in zip(result, is_input) if is_tensor]
 
 

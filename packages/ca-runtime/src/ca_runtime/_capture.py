@@ -203,9 +203,7 @@ def build_graph_module(graph: ca_core.BackwardGraph) -> Capture:
     lifted = _LazyItems(fx, inputs, graph.num_tensors)
     lifted_scalars = _LazyItems(fx, scalars, graph.num_scalars)
     hook_nodes: dict[int, torch.fx.Node] = {}
-    dynamic_positions = {
-        k: j for j, k in enumerate(k for k, dyn in enumerate(graph.dynamic_sizes) if dyn)
-    }
+    dynamic_positions = {k: j for j, k in enumerate(k for k, dyn in enumerate(graph.dynamic_sizes) if dyn)}
     size_nodes: dict[int, torch.fx.Node] = {}
 
     def size_at(k: int) -> torch.fx.Node | None:
@@ -213,9 +211,7 @@ def build_graph_module(graph: ca_core.BackwardGraph) -> Capture:
         if k not in dynamic_positions:
             return None
         if k not in size_nodes:
-            size_nodes[k] = fx.call_function(
-                ops.unwrap_size, (getitem(sizes, dynamic_positions[k]),)
-            )
+            size_nodes[k] = fx.call_function(ops.unwrap_size, (getitem(sizes, dynamic_positions[k]),))
         return size_nodes[k]
 
     def sizes_for(first: int, count: int) -> list[Any] | None:
@@ -249,9 +245,7 @@ def build_graph_module(graph: ca_core.BackwardGraph) -> Capture:
             grad_outputs[output_idx] = buffer[input_nr]
 
     handlings = {
-        n.index: _handling_of(n, graph.create_graph)
-        for n in nodes
-        if n.needed and not n.is_accumulate_grad
+        n.index: _handling_of(n, graph.create_graph) for n in nodes if n.needed and not n.is_accumulate_grad
     }
     unpacker = _Unpacker(fx, hook_at, graph_break, nodes, handlings)
 
@@ -262,22 +256,18 @@ def build_graph_module(graph: ca_core.BackwardGraph) -> Capture:
         if node.needed:
             record_outputs(node, buffer)
         for hook in node.tensor_pre_hooks:
-            rule = HOOK_RULES[hook.kind]
+            hook_rule = HOOK_RULES[hook.kind]
             grad = buffer[hook.input_nr]
-            if rule.handling is Handling.TRACE:
-                buffer[hook.input_nr] = fx.call_function(
-                    ops.call_tensor_hook, (hook_at(hook.hook), grad)
-                )
+            if hook_rule.handling is Handling.TRACE:
+                buffer[hook.input_nr] = fx.call_function(ops.call_tensor_hook, (hook_at(hook.hook), grad))
             elif hook.kind == "opaque":
-                graph_break(node, rule.reason)
+                graph_break(node, hook_rule.reason)
                 buffer = unpack(
-                    fx.call_function(
-                        ops.call_opaque_tensor_pre_hook, (node.index, hook.hook, list(buffer))
-                    ),
+                    fx.call_function(ops.call_opaque_tensor_pre_hook, (node.index, hook.hook, list(buffer))),
                     node.num_inputs,
                 )
             else:
-                graph_break(node, rule.reason)
+                graph_break(node, hook_rule.reason)
                 buffer[hook.input_nr] = fx.call_function(
                     ops.call_cpp_tensor_pre_hook, (node.index, hook.hook, grad)
                 )
@@ -320,6 +310,7 @@ def build_graph_module(graph: ca_core.BackwardGraph) -> Capture:
                 node.num_inputs,
             )
         handling, reason = handlings[node.index]
+        outputs: Any
         if handling is Handling.AOT:
             try:
                 outputs = _copy_aot_backward(
@@ -334,9 +325,7 @@ def build_graph_module(graph: ca_core.BackwardGraph) -> Capture:
             saved = [lifted[slot] for slot in node.tensor_slots]
             if handling is Handling.TRACE:
                 saved += unpacker.unpacked(node)
-            saved_scalars = lifted_scalars[
-                node.scalar_offset : node.scalar_offset + node.num_scalars
-            ]
+            saved_scalars = lifted_scalars[node.scalar_offset : node.scalar_offset + node.num_scalars]
             if handling is Handling.BREAK:
                 graph_break(node, reason or "it cannot be traced")
             apply_sizes = sizes_for(node.size_offset, node.num_apply_sizes)
@@ -420,11 +409,11 @@ class _Unpacker:
         self._hook_at = hook_at
         self._graph_break = graph_break
         #: Per skipped hook (hook index, packed index): its group key.
-        self._group_of: dict[tuple[int, int], object] = {}
+        self._group_of: dict[tuple[int, int], tuple[Any, ...]] = {}
         #: Per group: its members in eager's unpack order.
-        self._members: dict[object, list[tuple[int, int]]] = {}
+        self._members: dict[tuple[Any, ...], list[tuple[int, int]]] = {}
         #: Per group already called: the graph value of its unpacked list.
-        self._called: dict[object, torch.fx.Node] = {}
+        self._called: dict[tuple[Any, ...], torch.fx.Node] = {}
         for node in nodes:
             if handlings.get(node.index, (None,))[0] is not Handling.TRACE:
                 continue
@@ -514,11 +503,12 @@ def _materialized_grads(
     function = node.function
     assert function is not None
     grads: list[Any] = []
-    for grad, spec in zip(buffer, function.materialize):
+    for buffered, spec in zip(buffer, function.materialize):
+        grad = buffered
         if spec is not None:
             dims = [size_at(node.size_offset + spec.first_size + d) for d in range(len(spec.shape))]
             shape = [extent if dim is None else dim for dim, extent in zip(dims, spec.shape)]
-            grad = fx.call_function(ops.materialize_grad, (grad, shape, spec.dtype, spec.device))
+            grad = fx.call_function(ops.materialize_grad, (buffered, shape, spec.dtype, spec.device))
         grads.append(grad)
     return grads
 

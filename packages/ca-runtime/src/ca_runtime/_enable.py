@@ -18,7 +18,7 @@ open (thread A enters, thread B enters, A leaves) changes nothing installed:
 the inner one stays in force and inherits what the outer one had replaced. So
 the hook in force is always that of the most recently entered open context,
 and once every context has exited, what was installed before the first one is
-back. Tested in test_foundation.py.
+back. Tested in tests/test_enable.py.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import atexit
 import contextlib
 import dataclasses
 import difflib
+import functools
 import threading
 import warnings
 import weakref
@@ -86,11 +87,15 @@ def _compiler_key(compiler_fn: object) -> str:
     if key not in _callables:
         try:
             # A weakly referenceable callable drops its cache when it dies.
-            ref = weakref.ref(compiler_fn, lambda _ref, key=key: _drop_cache(key))
+            ref: object = weakref.ref(compiler_fn, functools.partial(_drop_cache_of_dead, key))
         except TypeError:
             ref = compiler_fn
         _callables[key] = ref
     return key
+
+
+def _drop_cache_of_dead(key: str, _ref: object) -> None:
+    _drop_cache(key)
 
 
 def _drop_cache(key: str) -> None:
@@ -106,7 +111,8 @@ def _resolve_compiler(compiler_fn: object) -> CompilerFn:
             close = difflib.get_close_matches(compiler_fn, shown, n=1)
             hint = f"did you mean {close[0]!r}? " if close else ""
             raise ValueError(
-                f"compiler_fn: unknown backend name {compiler_fn!r}; {hint}valid names are " + ", ".join(shown)
+                f"compiler_fn: unknown backend name {compiler_fn!r}; {hint}valid names are "
+                + ", ".join(shown)
             )
         backend = compiler_fn
 
@@ -121,7 +127,7 @@ def _resolve_compiler(compiler_fn: object) -> CompilerFn:
             "compiler_fn must be a callable taking a torch.fx.GraphModule and returning "
             f"a callable, or a backend name string; got {type(compiler_fn).__name__}"
         )
-    return compiler_fn  # type: ignore[return-value]
+    return compiler_fn
 
 
 #: Open enable()/disable() contexts, in entry order; see [Note: Contexts entered on several threads].
@@ -129,7 +135,7 @@ _open_contexts: list[_HookContext] = []
 _open_lock = threading.Lock()
 
 
-class _HookContext(contextlib.AbstractContextManager):  # type: ignore[type-arg]
+class _HookContext(contextlib.AbstractContextManager[Any]):
     """Installs a hook state on entry; on exit restores what it replaced (see the Notes above)."""
 
     _prior: _HookState
@@ -224,7 +230,7 @@ def disable() -> _DisableContext:
 
 
 def reset() -> None:
-    """Empties the shadow-graph cache (of every compiler) and zeroes the counters."""
+    """Empties the shadow-graph cache (of every compiler), zeroes the counters and forgets ``last_graph()``."""
     ca_core.clear_cache()
     ca_core.reset_counters()
     reset_graph_breaks()

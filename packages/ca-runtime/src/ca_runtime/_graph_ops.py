@@ -152,7 +152,7 @@ def call_function_backward(
     ``call_backward`` is torch's helper that Dynamo knows how to trace into
     (it hands the backward a ctx whose ``saved_tensors`` are the given ones).
     """
-    result = call_backward(ctx, list(saved_tensors), *grads)
+    result = call_backward(ctx, list(saved_tensors), *grads)  # type: ignore[arg-type]
     expected = len(is_variable_input)
     if len(result) > expected and all(g is None for g in result[expected:]):
         result = result[:expected]
@@ -174,9 +174,7 @@ def call_function_backward(
 
 
 @torch._dynamo.disable
-def call_cpp_tensor_pre_hook(
-    node_idx: int, hook_id: int, grad: torch.Tensor | None
-) -> torch.Tensor | None:
+def call_cpp_tensor_pre_hook(node_idx: int, hook_id: int, grad: torch.Tensor | None) -> torch.Tensor | None:
     """A C++ tensor hook or ``retain_grad`` of node ``node_idx``, behind a graph break."""
     return ca_core.call_cpp_tensor_pre_hook(node_idx, hook_id, grad)
 
@@ -221,6 +219,8 @@ def call_unpack_hook(hook: Callable[[Any], torch.Tensor], packed: Any) -> torch.
 
 
 @torch._dynamo.disable
-def call_unpack_hooks_eager(hooks: Sequence[Callable[[Any], torch.Tensor]], packed: Sequence[Any]) -> list[torch.Tensor]:
+def call_unpack_hooks_eager(
+    hooks: Sequence[Callable[[Any], torch.Tensor]], packed: Sequence[Any]
+) -> list[torch.Tensor]:
     """Unpack hooks Dynamo would skip, in eager's order, behind one graph break."""
     return [hook(data) for hook, data in zip(hooks, packed)]

@@ -20,7 +20,7 @@ import ca_core
 
 from ca_runtime._aot import is_aot_backward
 
-__all__ = ["HOOK_RULES", "Handling", "HookRule", "NODE_RULES", "NodeRule", "dynamo_skips", "rule_for"]
+__all__ = ["HOOK_RULES", "NODE_RULES", "Handling", "HookRule", "NodeRule", "dynamo_skips", "rule_for"]
 
 
 class Handling(enum.Enum):
@@ -133,9 +133,9 @@ def dynamo_skips(hook: object) -> bool:
     if isinstance(hook, types.MethodType):
         target = hook.__func__
     elif not isinstance(hook, (types.FunctionType, types.BuiltinFunctionType)):
-        target = getattr(type(hook), "__call__", hook)  # a callable object: Dynamo inlines __call__
+        target = getattr(type(hook), "__call__", hook)  # noqa: B004 - a callable object: Dynamo inlines __call__
     try:
         rule = trace_rules.lookup(target)
-    except Exception:  # a callable Dynamo cannot classify is not inlined either
+    except Exception:  # noqa: BLE001 - a callable Dynamo cannot classify is not inlined either
         return True
     return isinstance(rule, type) and issubclass(rule, SkipFunctionVariable)

@@ -51,6 +51,7 @@ from ca_runtime._state import STATE
 
 __all__ = ["Runtime", "graph_break_count", "last_graph", "reset_graph_breaks"]
 
+
 def last_graph() -> torch.fx.GraphModule | None:
     """The FX graph of the most recent capture (``print(last_graph().code)``), or None."""
     return STATE.last_graph
@@ -75,7 +76,7 @@ _FRAMEWORK_DIRS = tuple(
 
 def _describe(error: BaseException) -> str:
     """``Type: first line``, followed by the same for its cause (Dynamo wraps backend errors)."""
-    parts = []
+    parts: list[str] = []
     seen: BaseException | None = error
     while seen is not None and len(parts) < 3:
         lines = str(seen).strip().splitlines()
@@ -103,6 +104,7 @@ def _raised_by_user_code(error: BaseException) -> bool:
     path = os.path.abspath(innermost)
     return not path.startswith(_FRAMEWORK_DIRS)
 
+
 CompilerFn = Callable[[torch.fx.GraphModule], Callable[..., Any]]
 
 
@@ -125,7 +127,7 @@ class Runtime:
         except UnsupportedNode as e:
             self._fallback(e.node_name, e.reason)
             return None
-        except Exception as e:  # a capture bug must not kill the training step
+        except Exception as e:  # noqa: BLE001 - a capture bug must not kill the training step
             self._fallback("capture", _describe(e))
             return None
         gm = captured.graph_module
@@ -134,7 +136,7 @@ class Runtime:
         log.debug("captured backward of %d nodes:\n%s", len(graph.nodes), gm.code)
         try:
             compiled = self.compiler_fn(gm)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - any compiler failure is a fallback with a warning
             self._fallback("compiler_fn", _describe(e))
             return None
         if not callable(compiled):
@@ -150,7 +152,7 @@ class Runtime:
         self,
         compiled: Callable[..., Any],
         inputs: list[torch.Tensor],
-        sizes: list[int],
+        sizes: list[torch.Tensor],
         scalars: list[int | float],
         hooks: list[Any],
         dynamic_dims: Sequence[tuple[int, int]] = (),
@@ -203,17 +205,17 @@ class Runtime:
         as one list, which it may empty as it frees them.
         """
         if getattr(ctx._forward_cls, "boxed_grads_call", False):
-            fake = FakeBackwardCFunction(ctx, list(saved_tensors))
+            fake = FakeBackwardCFunction(ctx, list(saved_tensors))  # type: ignore[arg-type]
             grads = fake._forward_cls.backward(fake, list(inputs))
             return grads if isinstance(grads, tuple) else (grads,)
-        return call_backward(ctx, list(saved_tensors), *inputs)
+        result = call_backward(ctx, list(saved_tensors), *inputs)  # type: ignore[arg-type]
+        return result if isinstance(result, tuple) else (result,)
 
     def _fallback(self, node: str, reason: str) -> None:
         first_line = reason.strip().splitlines()[0] if reason.strip() else reason
         self.last_failure = f"{node}: {first_line}"
         message = (
-            f"ca_runtime: {node} cannot be compiled ({first_line}); "
-            "this backward runs on the eager engine"
+            f"ca_runtime: {node} cannot be compiled ({first_line}); this backward runs on the eager engine"
         )
         log.info(message)
         warnings.warn(message, EagerFallbackWarning, stacklevel=2)

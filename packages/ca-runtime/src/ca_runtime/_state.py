@@ -12,16 +12,14 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 import torch
 
+if TYPE_CHECKING:
+    from ca_runtime._capture import GraphBreak
+
 __all__ = ["STATE", "RuntimeState"]
-
-
-class _Break(Protocol):
-    node_name: str
-    reason: str
 
 
 class RuntimeState:
@@ -36,7 +34,7 @@ class RuntimeState:
         #: (node name, reason) of every break already warned about.
         self._warned_breaks: set[tuple[str, str]] = set()
 
-    def record_capture(self, graph: torch.fx.GraphModule, breaks: Sequence[_Break]) -> list[_Break]:
+    def record_capture(self, graph: torch.fx.GraphModule, breaks: Sequence[GraphBreak]) -> list[GraphBreak]:
         """Counts a captured graph's breaks; returns those not warned about before."""
         with self._lock:
             self.last_graph = graph
@@ -52,6 +50,7 @@ class RuntimeState:
     def reset(self) -> None:
         with self._lock:
             self.graph_breaks = 0
+            self.last_graph = None
             self._warned_breaks.clear()
 
 

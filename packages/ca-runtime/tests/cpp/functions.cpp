@@ -7,7 +7,7 @@ using torch::autograd::variable_list;
 
 // Declared untraceable: its backward writes through data_ptr into the
 // incoming grad, so only an eager call on the real tensor gives eager's
-// result (seed r2.py, case 2).
+// result.
 struct WritesThroughDataPtr : public torch::autograd::Function<WritesThroughDataPtr> {
   static constexpr bool is_traceable = false;
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x) {
@@ -19,8 +19,8 @@ struct WritesThroughDataPtr : public torch::autograd::Function<WritesThroughData
   }
 };
 
-// Traceable, but its result depends on the grad's real layout (seed r2.py,
-// case 3: no guessed metadata).
+// Traceable, but its result depends on the grad's real layout (no guessed
+// metadata may stand in for the real grad).
 struct BranchesOnContiguity : public torch::autograd::Function<BranchesOnContiguity> {
   static constexpr bool is_traceable = true;
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x) {

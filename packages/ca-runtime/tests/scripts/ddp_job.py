@@ -80,7 +80,7 @@ def ddp_case(rank: int, world_size: int, case: str, backend: str, steps: int) ->
         dynamo_ops.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
         return torch._dynamo.backends.registry.lookup_backend(backend)(gm, example_inputs)
 
-    compiler = lambda gm: torch.compile(gm, backend=recording)  # noqa: E731
+    compiler = lambda gm: torch.compile(gm, backend=recording)
     result = compare(step, compiler, tensors=getattr(model, "module", model), steps=steps)
     return {
         "rank": rank,

@@ -14,7 +14,7 @@ import dataclasses
 import inspect
 import math
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, Union
+from typing import Any
 
 import ca_runtime
 import torch
@@ -24,7 +24,7 @@ from ca_testkit.implementations import get_implementation
 
 __all__ = ["Comparison", "TensorDiff", "compare"]
 
-Tensors = Union[torch.nn.Module, Mapping[str, torch.Tensor], Iterable[Union[torch.Tensor, torch.nn.Module]]]
+Tensors = torch.nn.Module | Mapping[str, torch.Tensor] | Iterable[torch.Tensor | torch.nn.Module]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,8 +76,11 @@ class Comparison:
         others = [d for d in bad if d not in captures and d not in tensors]
         parts = []
         if tensors:
-            parts.append(f"{len(tensors)} value(s) differ ({', '.join(d.name for d in tensors[:3])}"
-                         + (", ..." if len(tensors) > 3 else "") + ")")
+            parts.append(
+                f"{len(tensors)} value(s) differ ({', '.join(d.name for d in tensors[:3])}"
+                + (", ..." if len(tensors) > 3 else "")
+                + ")"
+            )
         if others:
             parts.append(f"{len(others)} non-tensor result(s) differ, e.g. hook order/log ({others[0].name})")
         if captures:
@@ -146,7 +149,9 @@ def _run(step: Callable[[int], Any], steps: int, named: Mapping[str, torch.Tenso
 def _diff(name: str, eager: Any, compiled: Any, rtol: float, atol: float) -> TensorDiff:
     if not isinstance(eager, torch.Tensor) or not isinstance(compiled, torch.Tensor):
         same = type(eager) is type(compiled) and (
-            eager == compiled if not isinstance(eager, float) else math.isclose(eager, compiled, rel_tol=rtol, abs_tol=atol)
+            eager == compiled
+            if not isinstance(eager, float)
+            else math.isclose(eager, compiled, rel_tol=rtol, abs_tol=atol)
         )
         note = "" if same else f"eager {eager!r} vs compiled {compiled!r}"
         return TensorDiff(name, bool(same), 0.0, 0.0, None, None, note)

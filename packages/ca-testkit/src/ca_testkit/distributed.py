@@ -27,23 +27,23 @@ class RankError(RuntimeError):
     """A rank raised, died or did not finish in time; the message has its traceback."""
 
 
-def _rank_main(rank: int, world_size: int, init_file: str, fn: Callable[..., Any], args: tuple, results: Any) -> None:
+def _rank_main(
+    rank: int, world_size: int, init_file: str, fn: Callable[..., Any], args: tuple, results: Any
+) -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank, world_size=world_size)
     try:
         try:
             results.put((rank, True, fn(rank, world_size, *args)))
-        except BaseException:
+        except BaseException:  # noqa: BLE001 - every failure of a rank is reported to the parent
             results.put((rank, False, traceback.format_exc()))
         dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
-def run_ranks(
-    fn: Callable[..., Any], *args: Any, world_size: int = 2, timeout: float = 300.0
-) -> list[Any]:
+def run_ranks(fn: Callable[..., Any], *args: Any, world_size: int = 2, timeout: float = 300.0) -> list[Any]:
     """Runs ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes; returns results by rank.
 
     Raises RankError if a rank raises, exits without a result, or the ranks
@@ -71,7 +71,9 @@ def run_ranks(
             while len(got) < world_size:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    raise RankError(f"ranks {sorted(set(range(world_size)) - set(got))} did not finish in {timeout} s")
+                    raise RankError(
+                        f"ranks {sorted(set(range(world_size)) - set(got))} did not finish in {timeout} s"
+                    )
                 try:
                     rank, ok, value = results.get(timeout=min(remaining, 1.0))
                     got[rank] = (ok, value)
@@ -81,8 +83,10 @@ def run_ranks(
                         # A result may still be in flight from a rank that just exited.
                         time.sleep(0.5)
                         if results.empty():
-                            raise RankError(f"ranks {dead} exited without a result (exit codes "
-                                            f"{[procs[r].exitcode for r in dead]})") from None
+                            raise RankError(
+                                f"ranks {dead} exited without a result (exit codes "
+                                f"{[procs[r].exitcode for r in dead]})"
+                            ) from None
             for p in procs:
                 p.join(max(deadline - time.monotonic(), 1.0))
                 if p.is_alive():

@@ -79,7 +79,7 @@ def _op(arity: int, code: str) -> OpSpec:
     # The code is the single source of truth: the function is compiled from it,
     # and a snippet prints it next to the program it replays.
     args = ", ".join("abc"[:arity])
-    fn = eval(f"lambda {args}, W, lin, s: {code}", _OP_NAMESPACE)  # noqa: S307
+    fn = eval(f"lambda {args}, W, lin, s: {code}", _OP_NAMESPACE)
     return OpSpec(arity, code, fn)
 
 
@@ -189,7 +189,9 @@ class Program:
             operands = ", ".join(f"{'abc'[j]}=t{a}" for j, a in enumerate(step.args))
             hook = f"   hook: {step.hook}" if step.hook else ""
             lines.append(f"#   t{n + k} = {OPS[step.op].code}   [{operands}]{hook}")
-        lines.append(f"#   backward of {' + '.join(f't{r}.sum()' for r in self.roots)}, {self.backwards} time(s)")
+        lines.append(
+            f"#   backward of {' + '.join(f't{r}.sum()' for r in self.roots)}, {self.backwards} time(s)"
+        )
         if self.module_hook:
             lines.append("#   lin has a full backward hook")
         return lines
@@ -212,7 +214,9 @@ class Program:
 
 def _leaf_requires_grad(program: Program, variant: Variant) -> tuple[bool, ...]:
     rg = variant.requires_grad if variant.requires_grad is not None else program.requires_grad
-    return tuple(rg[i] if i < len(rg) else program.requires_grad[i] for i in range(len(program.requires_grad)))
+    return tuple(
+        rg[i] if i < len(rg) else program.requires_grad[i] for i in range(len(program.requires_grad))
+    )
 
 
 def run_program(program: Program, index: int = 0) -> tuple[list[torch.Tensor | None], list[str]]:
@@ -226,14 +230,16 @@ def run_program(program: Program, index: int = 0) -> tuple[list[torch.Tensor | N
         for p in lin.parameters():
             p.copy_(torch.randn(p.shape, generator=generator))
     leaves = [
-        torch.randn(variant.rows, COLS, generator=torch.Generator().manual_seed(program.seed + i)).requires_grad_(rg)
+        torch.randn(
+            variant.rows, COLS, generator=torch.Generator().manual_seed(program.seed + i)
+        ).requires_grad_(rg)
         for i, rg in enumerate(_leaf_requires_grad(program, variant))
     ]
-    params = [weight, *lin.parameters(), *leaves]
+    params: list[torch.Tensor] = [weight, *lin.parameters(), *leaves]
     if variant.grad_defined:
-        for p in params:
-            if p.requires_grad:
-                p.grad = torch.ones_like(p)
+        for tensor in params:
+            if tensor.requires_grad:
+                tensor.grad = torch.ones_like(tensor)
     if variant.hooks:
         for i, leaf in enumerate(leaves):
             if i < len(program.leaf_hooks) and program.leaf_hooks[i] and leaf.requires_grad:
@@ -346,7 +352,11 @@ def check_program(program: Program, compiler_fn: Any, impl: str = "ca") -> Any:
 
     # A program may have no root that requires grad, hence no backward to capture.
     return compare(
-        lambda i: run_program(program, i), compiler_fn, steps=len(program.variants), impl=impl, expect_capture=False
+        lambda i: run_program(program, i),
+        compiler_fn,
+        steps=len(program.variants),
+        impl=impl,
+        expect_capture=False,
     )
 
 

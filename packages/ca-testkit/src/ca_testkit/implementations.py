@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, ContextManager
+from typing import Any
 
 import torch
 
@@ -32,12 +32,12 @@ class Implementation:
     """One compiled autograd: context, reset and counters."""
 
     name: str
-    enable: Callable[[CompilerFn | str], ContextManager[Any]]
+    enable: Callable[[CompilerFn | str], contextlib.AbstractContextManager[Any]]
     reset: Callable[[], None]
     stats: Callable[[], dict[str, int]]
 
 
-def _ca_enable(compiler_fn: CompilerFn | str) -> ContextManager[Any]:
+def _ca_enable(compiler_fn: CompilerFn | str) -> contextlib.AbstractContextManager[Any]:
     import ca_runtime
 
     return ca_runtime.enable(compiler_fn)

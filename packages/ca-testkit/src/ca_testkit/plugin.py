@@ -44,7 +44,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="run every test twice, as written and inside ca_runtime.enable(BACKEND) "
         "(default aot_eager), and report the tests whose outcome differs",
     )
-    group.addoption("--ca-wrap-json", default=None, metavar="PATH", help="write --ca-wrap's differences as JSON")
+    group.addoption(
+        "--ca-wrap-json", default=None, metavar="PATH", help="write --ca-wrap's differences as JSON"
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:

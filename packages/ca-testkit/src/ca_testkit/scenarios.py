@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import torch
@@ -13,7 +14,7 @@ def make_mlp(seed: int = 0, sizes: tuple[int, ...] = (8, 16, 4)) -> torch.nn.Seq
     """Linear-ReLU-...-Linear with weights from ``seed``."""
     torch.manual_seed(seed)
     layers: list[torch.nn.Module] = []
-    for i, (n_in, n_out) in enumerate(zip(sizes, sizes[1:])):
+    for i, (n_in, n_out) in enumerate(itertools.pairwise(sizes)):
         if i:
             layers.append(torch.nn.ReLU())
         layers.append(torch.nn.Linear(n_in, n_out))

@@ -125,15 +125,17 @@ class WrapPlugin:
         for item in items:
             wrapped.append(item)
             callspec = getattr(item, "callspec", None)
-            if callspec is not None and "_ca_wrap" in callspec.params and "_ca_wrap" not in item.fixturenames:
+            fixturenames: list[str] | None = getattr(item, "fixturenames", None)
+            if callspec is not None and "_ca_wrap" in callspec.params and fixturenames is not None:
                 # pytest prunes the closure back to what the test asks for after
                 # parametrising: request the wrapping fixture again, last (innermost).
-                item.fixturenames.append("_ca_wrap")
+                if "_ca_wrap" not in fixturenames:
+                    fixturenames.append("_ca_wrap")
             elif isinstance(item, TestCaseFunction):
                 # unittest methods are not parametrised: a second item runs
                 # the same method wrapped (see pytest_runtest_call).
                 twin = TestCaseFunction.from_parent(item.parent, name=item.name)
-                twin._nodeid = item.nodeid + "[ca-wrap-ca]"
+                twin._nodeid = item.nodeid + "[ca-wrap-ca]"  # type: ignore[attr-defined]
                 item.stash[_UNITTEST_MODE] = "eager"
                 twin.stash[_UNITTEST_MODE] = "ca"
                 wrapped.append(twin)
@@ -152,7 +154,7 @@ class WrapPlugin:
         next(runs, None)
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        props = dict(report.user_properties)
+        props: dict[str, Any] = dict(report.user_properties)
         mode = props.get("ca_wrap_mode")
         if mode is None:
             return
@@ -181,7 +183,11 @@ class WrapPlugin:
             eager, ca = by_mode["eager"], by_mode["ca"]
             category = categorize(eager, ca)
             if category is not None:
-                out.append(Difference(test, category, _describe(eager), _describe(ca), ca.captures, ca.eager_fallbacks))
+                out.append(
+                    Difference(
+                        test, category, _describe(eager), _describe(ca), ca.captures, ca.eager_fallbacks
+                    )
+                )
         return out
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
@@ -200,4 +206,8 @@ class WrapPlugin:
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         if self.json_path and not self.is_worker:
             with open(self.json_path, "w") as f:
-                json.dump({"backend": self.backend, "differences": [asdict(d) for d in self.differences()]}, f, indent=1)
+                json.dump(
+                    {"backend": self.backend, "differences": [asdict(d) for d in self.differences()]},
+                    f,
+                    indent=1,
+                )

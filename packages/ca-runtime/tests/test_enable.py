@@ -1,5 +1,5 @@
-"""Issue 2 acceptance: MLP grads, cache hits, grad/inputs=, accumulation, bad input,
-whole-backward fallback, restore on exit. Each compares against eager via ca_testkit."""
+"""enable() end to end: MLP grads, cache hits, grad/inputs=, accumulation, bad input,
+whole-backward fallback, restoring the prior hook on exit (threads too). Each compares against eager via ca_testkit."""
 
 from __future__ import annotations
 
@@ -90,16 +90,17 @@ def test_backward_inputs_only_touches_listed(backend: str) -> None:
 
 
 def test_enable_rejects_non_callable() -> None:
-    with pytest.raises(TypeError, match="compiler_fn"):
-        with ca_runtime.enable(42):  # type: ignore[arg-type]
-            pass
+    with pytest.raises(TypeError, match="compiler_fn"), ca_runtime.enable(42):  # type: ignore[arg-type]
+        pass
     assert ca_core.installed_runtime() is None
 
 
 def test_enable_rejects_unknown_backend_listing_valid_ones() -> None:
-    with pytest.raises(ValueError, match="compiler_fn.*'no_such_backend'.*aot_eager.*inductor"):
-        with ca_runtime.enable("no_such_backend"):
-            pass
+    with (
+        pytest.raises(ValueError, match=r"compiler_fn.*'no_such_backend'.*aot_eager.*inductor"),
+        ca_runtime.enable("no_such_backend"),
+    ):
+        pass
     assert ca_core.installed_runtime() is None
 
 
@@ -112,8 +113,10 @@ def test_unknown_backend_suggests_the_nearest_and_hides_testing_only() -> None:
 def test_enable_never_entered_warns(recwarn: pytest.WarningsRecorder) -> None:
     ca_runtime.enable("eager")  # a plain call: nothing would be compiled
     assert [str(w.message) for w in recwarn if w.category is RuntimeWarning] == [
-        "ca_runtime.enable(...) was called but never entered, so nothing is compiled: "
-        "use it as `with ca_runtime.enable(...):` around the backward"
+        (
+            "ca_runtime.enable(...) was called but never entered, so nothing is compiled: "
+            "use it as `with ca_runtime.enable(...):` around the backward"
+        )
     ]
     assert ca_core.installed_runtime() is None
     with ca_runtime.enable("eager"):
@@ -175,10 +178,9 @@ def test_two_threads_enter_and_leave_in_any_order(backend: str) -> None:
 
 def test_exception_inside_context_restores_prior_hook() -> None:
     with ca_runtime.enable("eager") as outer:
-        with pytest.raises(RuntimeError, match="boom"):
-            with ca_runtime.enable("aot_eager") as inner:
-                assert ca_core.installed_runtime() is inner
-                raise RuntimeError("boom")
+        with pytest.raises(RuntimeError, match="boom"), ca_runtime.enable("aot_eager") as inner:
+            assert ca_core.installed_runtime() is inner
+            raise RuntimeError("boom")
         assert ca_core.installed_runtime() is outer
     assert ca_core.installed_runtime() is None
 
@@ -209,9 +211,7 @@ class Cube(torch.autograd.Function):
         return 3 * a * a * grad
 
 
-def test_unsupported_node_falls_back_with_one_warning(
-    backend: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_unsupported_node_falls_back_with_one_warning(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # No built-in rule declares a node unsupported any more; a row added to
     # the table exercises the whole-backward fallback it would cause.
     from ca_runtime import _node_rules
@@ -261,7 +261,7 @@ def test_backend_failing_on_first_run_falls_back() -> None:
         raise RuntimeError("backend exploded")
 
     model = make_mlp()
-    compiler = lambda gm: torch.compile(gm, backend=exploding_backend)  # noqa: E731
+    compiler = lambda gm: torch.compile(gm, backend=exploding_backend)
     with pytest.warns(ca_runtime.EagerFallbackWarning, match="backend exploded"):
         result = ca_testkit.compare(mlp_step(model), compiler, tensors=model, steps=2)
     result.assert_ok()
@@ -366,6 +366,7 @@ def test_hooks_are_captured_without_fallback(backend: str, kind: str) -> None:
 def test_post_accumulate_grad_hook_runs_in_real_node(backend: str) -> None:
     model = make_mlp()
     calls: list[str] = []
+
     def halve(name: str):
         def hook(t: torch.Tensor) -> None:
             calls.append(name)
@@ -402,7 +403,9 @@ def test_node_that_cannot_be_walked_falls_back_naming_it(backend: str) -> None:
         result = ca_testkit.compare(step, backend, steps=3, expect_capture=False)
     result.assert_ok()
     fallbacks = [str(w.message) for w in caught if issubclass(w.category, ca_runtime.EagerFallbackWarning)]
-    assert len(fallbacks) == 1 and "ToPaddedTensorBackward0" in fallbacks[0] and "NestedTensor" in fallbacks[0]
+    assert (
+        len(fallbacks) == 1 and "ToPaddedTensorBackward0" in fallbacks[0] and "NestedTensor" in fallbacks[0]
+    )
     assert result.stats["eager_fallbacks"] == 3
 
 
@@ -425,7 +428,9 @@ def test_hook_and_cache_are_released_at_exit() -> None:
         print("before exit:", ca_core.installed_runtime() is None, len(ca_core.cache_entries()))
         """
     )
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], check=False, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "before exit: False 1" in proc.stdout, proc.stdout
     assert "at exit: True 0" in proc.stdout, proc.stdout
