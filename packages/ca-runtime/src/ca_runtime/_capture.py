@@ -41,7 +41,7 @@ from __future__ import annotations
 import operator
 import re
 import types
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,7 +52,7 @@ import torch.utils.checkpoint
 
 from ca_runtime import _graph_ops as ops
 from ca_runtime._aot import NotCopyable, copy_aot_backward
-from ca_runtime._node_rules import HOOK_RULES, Handling, dynamo_skips, rule_for
+from ca_runtime._node_rules import HOOK_RULES, Handling, NodeRule, dynamo_skips, rule_for
 
 __all__ = ["Capture", "GraphBreak", "UnsupportedNode", "build_graph_module"]
 
@@ -110,22 +110,6 @@ _EFFECTFUL = frozenset(
 
 def _is_impure(node: torch.fx.Node) -> bool:
     return node.is_impure() or (node.op == "call_function" and node.target in _EFFECTFUL)
-
-
-def _has_effects(node: ca_core.NodeInfo) -> bool:
-    """Whether the graph calls user code for ``node`` (hooks, unpack hooks, a Function, a break).
-
-    A torch.compile'd region's copied backward (AOT) calls none.
-    """
-    if node.tensor_pre_hooks or node.pre_hooks or node.post_hooks:
-        return True
-    if not node.needed:
-        return False
-    if node.is_accumulate_grad:
-        # Its post-accumulate-grad hooks are called from the graph; see
-        # [Note: Leaves accumulated in the graph] in ca_core.
-        return bool(node.post_acc_grad_hooks)
-    return bool(node.unpack_hooks) or rule_for(node).handling not in (Handling.TRACE, Handling.AOT)
 
 
 def _runs_leaf_hooks(node: ca_core.NodeInfo) -> bool:
@@ -188,191 +172,297 @@ def _call_for(
 
 def build_graph_module(graph: ca_core.BackwardGraph) -> Capture:
     """The FX graph of one backward; raises UnsupportedNode for a node it cannot take."""
-    fx = torch.fx.Graph()
-    inputs = fx.placeholder("inputs")
-    sizes = fx.placeholder("sizes")
-    scalars = fx.placeholder("scalars")
-    hooks = fx.placeholder("hooks")
+    return _GraphBuilder(graph).build()
 
-    def getitem(seq: torch.fx.Node, i: int) -> torch.fx.Node:
-        return fx.call_function(operator.getitem, (seq, i))
 
-    def unpack(result: torch.fx.Node, n: int) -> list[Any]:
-        return [getitem(result, i) for i in range(n)]
+class _GraphBuilder:
+    """Writes out the eager engine's loop for one walked backward, node by node.
 
-    lifted = _LazyItems(fx, inputs, graph.num_tensors)
-    lifted_scalars = _LazyItems(fx, scalars, graph.num_scalars)
-    hook_nodes: dict[int, torch.fx.Node] = {}
-    dynamic_positions = {k: j for j, k in enumerate(k for k, dyn in enumerate(graph.dynamic_sizes) if dyn)}
-    size_nodes: dict[int, torch.fx.Node] = {}
+    ``build()`` visits the nodes in walk order. For each node, in eager's order
+    (see the module docstring): record the ``torch.autograd.grad`` outputs it
+    holds, ``_tensor_pre_hooks``, then the step its ``Handling`` selects in
+    ``_STEPS`` (a leaf: ``_leaf``; a node that runs: ``_node``, which calls
+    its grad_fn pre-hooks, its ``_APPLY`` emitter, ``validate_outputs``, its
+    post-hooks and ``_route`` to the nodes its edges lead to). Each node's rule
+    and handling are computed once, in ``__init__``.
+    """
 
-    def size_at(k: int) -> torch.fx.Node | None:
+    def __init__(self, graph: ca_core.BackwardGraph) -> None:
+        self.graph = graph
+        self.nodes = graph.nodes
+        self.fx = fx = torch.fx.Graph()
+        inputs = fx.placeholder("inputs")
+        self._sizes = fx.placeholder("sizes")
+        scalars = fx.placeholder("scalars")
+        self._hooks = fx.placeholder("hooks")
+        self.lifted = _LazyItems(fx, inputs, graph.num_tensors)
+        self.lifted_scalars = _LazyItems(fx, scalars, graph.num_scalars)
+        self._hook_nodes: dict[int, torch.fx.Node] = {}
+        self._dynamic_positions = {
+            k: j for j, k in enumerate(k for k, dyn in enumerate(graph.dynamic_sizes) if dyn)
+        }
+        self._size_nodes: dict[int, torch.fx.Node] = {}
+        #: Buffers of input grads per node index, filled by the nodes before it.
+        self._buffers: dict[int, list[Any]] = {}
+        self._grad_outputs: list[Any] = [None] * graph.num_outputs
+        self._leaf_grads: list[Any] = []
+        #: Holds the attributes copied AOT backward graphs read (see [Note: AOT backwards]).
+        self.root = torch.nn.Module()
+        #: What the Capture will hold besides the graph module (made at the end of build()).
+        self.leaf_outputs: list[int] = []
+        self.leaf_hooks_only: list[bool] = []
+        self.graph_breaks: list[GraphBreak] = []
+        # Per-node rules, once: see [Note: Leaf accumulation order].
+        self._rules = {n.index: rule_for(n) for n in self.nodes if n.needed}
+        self._handlings = {
+            n.index: _handling_of(n, self._rules[n.index], graph.create_graph)
+            for n in self.nodes
+            if n.needed and not n.is_accumulate_grad
+        }
+        self._last_effect = max((n.index for n in self.nodes if self._has_effects(n)), default=-1)
+        self._last_reader = max(
+            (
+                n.index
+                for n in self.nodes
+                if n.needed and not n.is_accumulate_grad and self._rules[n.index].reads_leaf_grads
+            ),
+            default=-1,
+        )
+        self._unpacker = _Unpacker(fx, self.hook_at, self.graph_break, self.nodes, self._handlings)
+
+    # -- graph values ---------------------------------------------------------
+
+    def getitem(self, seq: torch.fx.Node, i: int) -> torch.fx.Node:
+        return self.fx.call_function(operator.getitem, (seq, i))
+
+    def unpack(self, result: torch.fx.Node, n: int) -> list[Any]:
+        return [self.getitem(result, i) for i in range(n)]
+
+    def hook_at(self, i: int) -> torch.fx.Node:
+        """The graph value of collected Python object ``i`` (a hook, a ctx)."""
+        if i not in self._hook_nodes:
+            self._hook_nodes[i] = self.getitem(self._hooks, i)
+        return self._hook_nodes[i]
+
+    def size_at(self, k: int) -> torch.fx.Node | None:
         """Graph value of size input ``k`` if it is dynamic, else None (static)."""
-        if k not in dynamic_positions:
+        if k not in self._dynamic_positions:
             return None
-        if k not in size_nodes:
-            size_nodes[k] = fx.call_function(ops.unwrap_size, (getitem(sizes, dynamic_positions[k]),))
-        return size_nodes[k]
+        if k not in self._size_nodes:
+            self._size_nodes[k] = self.fx.call_function(
+                ops.unwrap_size, (self.getitem(self._sizes, self._dynamic_positions[k]),)
+            )
+        return self._size_nodes[k]
 
-    def sizes_for(first: int, count: int) -> list[Any] | None:
-        values = [size_at(first + i) for i in range(count)]
+    def sizes_for(self, first: int, count: int) -> list[Any] | None:
+        values = [self.size_at(first + i) for i in range(count)]
         return None if all(v is None for v in values) else values
 
-    def hook_at(i: int) -> torch.fx.Node:
-        if i not in hook_nodes:
-            hook_nodes[i] = getitem(hooks, i)
-        return hook_nodes[i]
+    def graph_break(self, node: ca_core.NodeInfo, reason: str) -> None:
+        self.graph_breaks.append(GraphBreak(node.name, node.index, reason))
 
-    nodes = graph.nodes
-    # See [Note: Leaf accumulation order].
-    last_effect = max((n.index for n in nodes if _has_effects(n)), default=-1)
-    last_reader = max(
-        (n.index for n in nodes if n.needed and not n.is_accumulate_grad and rule_for(n).reads_leaf_grads),
-        default=-1,
-    )
-    buffers: dict[int, list[Any]] = {}
-    grad_outputs: list[Any] = [None] * graph.num_outputs
-    leaf_grads: list[Any] = []
-    # Holds the attributes copied AOT backward graphs read (see [Note: AOT backwards]).
-    root = torch.nn.Module()
-    capture = Capture(torch.fx.GraphModule(root, torch.fx.Graph()), [])
+    def _has_effects(self, node: ca_core.NodeInfo) -> bool:
+        """Whether the graph calls user code for ``node`` (hooks, unpack hooks, a Function, a break).
 
-    def graph_break(node: ca_core.NodeInfo, reason: str) -> None:
-        capture.graph_breaks.append(GraphBreak(node.name, node.index, reason))
+        A torch.compile'd region's copied backward (AOT) calls none.
+        """
+        if node.tensor_pre_hooks or node.pre_hooks or node.post_hooks:
+            return True
+        if not node.needed:
+            return False
+        if node.is_accumulate_grad:
+            # Its post-accumulate-grad hooks are called from the graph; see
+            # [Note: Leaves accumulated in the graph] in ca_core.
+            return bool(node.post_acc_grad_hooks)
+        return bool(node.unpack_hooks) or self._rules[node.index].handling not in (
+            Handling.TRACE,
+            Handling.AOT,
+        )
 
-    def record_outputs(node: ca_core.NodeInfo, buffer: list[Any]) -> None:
-        for input_nr, output_idx in node.graph_output:
-            grad_outputs[output_idx] = buffer[input_nr]
+    # -- the walk -------------------------------------------------------------
 
-    handlings = {
-        n.index: _handling_of(n, graph.create_graph) for n in nodes if n.needed and not n.is_accumulate_grad
-    }
-    unpacker = _Unpacker(fx, hook_at, graph_break, nodes, handlings)
+    def build(self) -> Capture:
+        for node in self.nodes:
+            self._visit(node)
+        self.fx.output(self._grad_outputs + self._leaf_grads)
+        self.fx.eliminate_dead_code(is_impure_node=_is_impure)
+        graph_module = torch.fx.GraphModule(self.root, self.fx, "CompiledBackward")
+        return Capture(graph_module, self.leaf_outputs, self.leaf_hooks_only, self.graph_breaks)
 
-    for node in nodes:
-        buffer = buffers.pop(node.index, None) or [None] * node.num_inputs
+    def _visit(self, node: ca_core.NodeInfo) -> None:
+        buffer = self._buffers.pop(node.index, None) or [None] * node.num_inputs
         # Eager captures torch.autograd.grad outputs before the tensor
         # pre-hooks of a node that runs, after them for one that does not.
         if node.needed:
-            record_outputs(node, buffer)
+            self._record_outputs(node, buffer)
+        buffer = self._tensor_pre_hooks(node, buffer)
+        if not node.needed:
+            self._record_outputs(node, buffer)
+            return
+        rule = self._rules[node.index]
+        step = _STEPS.get(rule.handling, _GraphBuilder._node)
+        step(self, node, buffer, rule.reason)
+
+    def _record_outputs(self, node: ca_core.NodeInfo, buffer: list[Any]) -> None:
+        for input_nr, output_idx in node.graph_output:
+            self._grad_outputs[output_idx] = buffer[input_nr]
+
+    def _tensor_pre_hooks(self, node: ca_core.NodeInfo, buffer: list[Any]) -> list[Any]:
+        """Tensor pre-hooks on the node's input grads, in registration order; see [Note: Hook order] in ca_core."""
         for hook in node.tensor_pre_hooks:
             hook_rule = HOOK_RULES[hook.kind]
             grad = buffer[hook.input_nr]
             if hook_rule.handling is Handling.TRACE:
-                buffer[hook.input_nr] = fx.call_function(ops.call_tensor_hook, (hook_at(hook.hook), grad))
+                buffer[hook.input_nr] = self.fx.call_function(
+                    ops.call_tensor_hook, (self.hook_at(hook.hook), grad)
+                )
             elif hook.kind == "opaque":
-                graph_break(node, hook_rule.reason)
-                buffer = unpack(
-                    fx.call_function(ops.call_opaque_tensor_pre_hook, (node.index, hook.hook, list(buffer))),
+                self.graph_break(node, hook_rule.reason)
+                buffer = self.unpack(
+                    self.fx.call_function(
+                        ops.call_opaque_tensor_pre_hook, (node.index, hook.hook, list(buffer))
+                    ),
                     node.num_inputs,
                 )
             else:
-                graph_break(node, hook_rule.reason)
-                buffer[hook.input_nr] = fx.call_function(
+                self.graph_break(node, hook_rule.reason)
+                buffer[hook.input_nr] = self.fx.call_function(
                     ops.call_cpp_tensor_pre_hook, (node.index, hook.hook, grad)
                 )
-        if not node.needed:
-            record_outputs(node, buffer)
-            continue
-        rule = rule_for(node)
-        if rule.handling is Handling.ACCUMULATE:
-            user_code_follows = node.index < max(last_effect, last_reader)
-            if _accumulates_in_graph(node, graph, user_code_follows):
-                fx.call_function(
-                    ops.accumulate_leaf,
-                    (
-                        lifted[node.tensor_slots[0]],
-                        buffer[0],
-                        [hook_at(h) for h in node.post_acc_grad_hooks],
-                    ),
-                )
-                if node.hooks.get("post"):
-                    capture.leaf_outputs.append(node.index)
-                    capture.leaf_hooks_only.append(True)
-                    leaf_grads.append(buffer[0])
-            elif node.index < last_reader:
-                graph_break(node, f"{nodes[last_reader].name} reads this leaf's .grad later")
-                fx.call_function(ops.accumulate_grad_now, (node.index, buffer[0]))
-            elif _runs_leaf_hooks(node) and node.index < last_effect:
-                graph_break(node, "a leaf's hooks must run before later hooks")
-                fx.call_function(ops.accumulate_grad_now, (node.index, buffer[0]))
-            else:
-                capture.leaf_outputs.append(node.index)
-                capture.leaf_hooks_only.append(False)
-                leaf_grads.append(buffer[0])
-            continue
-        if rule.handling is Handling.UNSUPPORTED:
-            raise UnsupportedNode(node, rule.reason)
+        return buffer
 
-        for pre_hook in node.pre_hooks:
-            buffer = unpack(
-                fx.call_function(ops.call_pre_hook, (hook_at(pre_hook), list(buffer))),
-                node.num_inputs,
+    def _unsupported(self, node: ca_core.NodeInfo, buffer: list[Any], reason: str) -> None:
+        raise UnsupportedNode(node, reason)
+
+    def _leaf(self, node: ca_core.NodeInfo, buffer: list[Any], reason: str) -> None:
+        """An AccumulateGrad node; see [Note: Leaf accumulation order]."""
+        user_code_follows = node.index < max(self._last_effect, self._last_reader)
+        if _accumulates_in_graph(node, self.graph, user_code_follows):
+            self.fx.call_function(
+                ops.accumulate_leaf,
+                (
+                    self.lifted[node.tensor_slots[0]],
+                    buffer[0],
+                    [self.hook_at(h) for h in node.post_acc_grad_hooks],
+                ),
             )
-        handling, reason = handlings[node.index]
-        outputs: Any
+            if node.hooks.get("post"):
+                self.leaf_outputs.append(node.index)
+                self.leaf_hooks_only.append(True)
+                self._leaf_grads.append(buffer[0])
+        elif node.index < self._last_reader:
+            self.graph_break(node, f"{self.nodes[self._last_reader].name} reads this leaf's .grad later")
+            self.fx.call_function(ops.accumulate_grad_now, (node.index, buffer[0]))
+        elif _runs_leaf_hooks(node) and node.index < self._last_effect:
+            self.graph_break(node, "a leaf's hooks must run before later hooks")
+            self.fx.call_function(ops.accumulate_grad_now, (node.index, buffer[0]))
+        else:
+            self.leaf_outputs.append(node.index)
+            self.leaf_hooks_only.append(False)
+            self._leaf_grads.append(buffer[0])
+
+    def _node(self, node: ca_core.NodeInfo, buffer: list[Any], reason: str) -> None:
+        """A node that runs: pre-hooks, the node itself, its output check, post-hooks, edges."""
+        fx = self.fx
+        for pre_hook in node.pre_hooks:
+            buffer = self.unpack(
+                fx.call_function(ops.call_pre_hook, (self.hook_at(pre_hook), list(buffer))), node.num_inputs
+            )
+        handling, why = self._handlings[node.index]
+        outputs: Any = None
         if handling is Handling.AOT:
             try:
                 outputs = _copy_aot_backward(
-                    fx, root, node, buffer, lifted, hook_at, size_at, graph.create_graph
+                    fx,
+                    self.root,
+                    node,
+                    buffer,
+                    self.lifted,
+                    self.hook_at,
+                    self.size_at,
+                    self.graph.create_graph,
                 )
             except NotCopyable as e:
-                handling = Handling.BREAK
-                reason = f"the backward of a torch.compile'd region runs eagerly: {e}"
-        if handling is Handling.FUNCTION:
-            outputs = _call_function(fx, node, buffer, lifted, hook_at, size_at)
-        elif handling is not Handling.AOT:
-            saved = [lifted[slot] for slot in node.tensor_slots]
-            if handling is Handling.TRACE:
-                saved += unpacker.unpacked(node)
-            saved_scalars = lifted_scalars[node.scalar_offset : node.scalar_offset + node.num_scalars]
-            if handling is Handling.BREAK:
-                graph_break(node, reason or "it cannot be traced")
-            apply_sizes = sizes_for(node.size_offset, node.num_apply_sizes)
-        validate_sizes = sizes_for(node.size_offset + node.num_apply_sizes, node.num_validate_sizes)
-        if handling is Handling.TRACE:
-            # One call for the node and its output check; see [Note: One call per node] in ca_core.
-            outputs = _call_for(
-                fx,
-                node,
-                ops.apply_node,
-                (node.index, list(buffer), saved, apply_sizes, saved_scalars, validate_sizes),
-            )
-        else:
-            if handling is Handling.BREAK:
-                outputs = _call_for(
-                    fx,
-                    node,
-                    ops.apply_with_saved_eager,
-                    (node.index, list(buffer), saved, apply_sizes, saved_scalars),
-                )
-            outputs = fx.call_function(ops.validate_outputs, (node.index, outputs, validate_sizes))
-        grads = unpack(outputs, node.num_outputs)
+                handling, why = Handling.BREAK, f"the backward of a torch.compile'd region runs eagerly: {e}"
+            else:
+                outputs = self._validated(node, outputs)
+        if handling is not Handling.AOT:
+            outputs = _APPLY[handling](self, node, buffer, why)
+        grads = self.unpack(outputs, node.num_outputs)
         for post_hook in node.post_hooks:
-            grads = unpack(
-                fx.call_function(ops.call_post_hook, (hook_at(post_hook), grads, list(buffer))),
+            grads = self.unpack(
+                fx.call_function(ops.call_post_hook, (self.hook_at(post_hook), grads, list(buffer))),
                 node.num_outputs,
             )
+        self._route(node, grads)
+
+    def _validated(self, node: ca_core.NodeInfo, outputs: Any) -> torch.fx.Node:
+        validate_sizes = self.sizes_for(node.size_offset + node.num_apply_sizes, node.num_validate_sizes)
+        return self.fx.call_function(ops.validate_outputs, (node.index, outputs, validate_sizes))
+
+    def _saved(self, node: ca_core.NodeInfo) -> tuple[list[Any], list[Any] | None, list[Any]]:
+        """The node's own slice of lifted tensors, apply sizes and scalars."""
+        saved = [self.lifted[slot] for slot in node.tensor_slots]
+        apply_sizes = self.sizes_for(node.size_offset, node.num_apply_sizes)
+        scalars = self.lifted_scalars[node.scalar_offset : node.scalar_offset + node.num_scalars]
+        return saved, apply_sizes, scalars
+
+    def _apply_traced(self, node: ca_core.NodeInfo, buffer: list[Any], why: str) -> torch.fx.Node:
+        """One call for the node and its output check; see [Note: One call per node] in ca_core."""
+        saved, apply_sizes, scalars = self._saved(node)
+        saved += self._unpacker.unpacked(node)
+        validate_sizes = self.sizes_for(node.size_offset + node.num_apply_sizes, node.num_validate_sizes)
+        return _call_for(
+            self.fx,
+            node,
+            ops.apply_node,
+            (node.index, list(buffer), saved, apply_sizes, scalars, validate_sizes),
+        )
+
+    def _apply_break(self, node: ca_core.NodeInfo, buffer: list[Any], why: str) -> torch.fx.Node:
+        """``apply_with_saved`` behind a graph break: runs on real tensors every backward."""
+        self.graph_break(node, why or "it cannot be traced")
+        saved, apply_sizes, scalars = self._saved(node)
+        outputs = _call_for(
+            self.fx, node, ops.apply_with_saved_eager, (node.index, list(buffer), saved, apply_sizes, scalars)
+        )
+        return self._validated(node, outputs)
+
+    def _apply_function(self, node: ca_core.NodeInfo, buffer: list[Any], why: str) -> torch.fx.Node:
+        """A Python Function's backward called from the graph; see [Note: Python Functions in the graph]."""
+        outputs = _call_function(self.fx, node, buffer, self.lifted, self.hook_at, self.size_at)
+        return self._validated(node, outputs)
+
+    def _route(self, node: ca_core.NodeInfo, grads: list[Any]) -> None:
+        """Each output grad into the buffer of the node its edge leads to, summed as InputBuffer does."""
         for output_nr, edge in enumerate(node.next_edges):
             if edge is None:
                 continue
             target, input_nr = edge
-            target_buffer = buffers.setdefault(target, [None] * nodes[target].num_inputs)
+            target_buffer = self._buffers.setdefault(target, [None] * self.nodes[target].num_inputs)
             prior = target_buffer[input_nr]
             grad = grads[output_nr]
             target_buffer[input_nr] = (
-                grad if prior is None else fx.call_function(ops.accumulate, (prior, grad))
+                grad if prior is None else self.fx.call_function(ops.accumulate, (prior, grad))
             )
 
-    fx.output(grad_outputs + leaf_grads)
-    fx.eliminate_dead_code(is_impure_node=_is_impure)
-    capture.graph_module = torch.fx.GraphModule(root, fx, "CompiledBackward")
-    return capture
+
+#: What a needed node becomes, by its rule's Handling (the rest: ``_GraphBuilder._node``).
+_STEPS: dict[Handling, Callable[[_GraphBuilder, ca_core.NodeInfo, list[Any], str], None]] = {
+    Handling.ACCUMULATE: _GraphBuilder._leaf,
+    Handling.UNSUPPORTED: _GraphBuilder._unsupported,
+}
+
+#: How a node that runs is called, by its handling after probes (see ``_handling_of``).
+_APPLY: dict[Handling, Callable[[_GraphBuilder, ca_core.NodeInfo, list[Any], str], torch.fx.Node]] = {
+    Handling.TRACE: _GraphBuilder._apply_traced,
+    Handling.BREAK: _GraphBuilder._apply_break,
+    Handling.FUNCTION: _GraphBuilder._apply_function,
+}
 
 
-def _handling_of(node: ca_core.NodeInfo, create_graph: bool) -> tuple[Handling, str]:
+def _handling_of(node: ca_core.NodeInfo, rule: NodeRule, create_graph: bool) -> tuple[Handling, str]:
     """How the capture takes a node that runs: its rule, with the probes and exceptions applied."""
-    rule = rule_for(node)
     handling, reason = rule.handling, rule.reason
     if handling is Handling.PROBE:
         handling = Handling.TRACE if ca_core.probe_traceable(node.index) else Handling.BREAK
