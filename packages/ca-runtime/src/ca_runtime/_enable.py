@@ -36,6 +36,7 @@ from typing import Any
 
 import ca_core
 import torch
+from ca_core.runtime_protocol import EngineRuntime
 
 from ca_runtime._runtime import CompilerFn, Runtime, graph_break_count, reset_graph_breaks
 from ca_runtime._torch_interop import keep_hook_across_torch_disable
@@ -47,7 +48,7 @@ __all__ = ["CacheEntry", "cache_clear_failed", "cache_info", "disable", "enable"
 class _HookState:
     """What held the engine's compiled-autograd slot."""
 
-    ours: Runtime | None
+    ours: EngineRuntime | None
     torch_builtin: bool
 
     @staticmethod

@@ -2,7 +2,8 @@
 
 [Note: Capture methods]
 ca_core calls exactly these methods, all on a cache miss, a first run or a
-failure, never on a cache hit:
+failure, never on a cache hit (typed as ``ca_core.runtime_protocol.EngineRuntime``,
+which mypy checks ``Runtime`` against):
 
 - ``capture(graph)``: build the FX graph of a walked backward and compile it
   with ``compiler_fn``; return ``(compiled, leaf_outputs, leaf_hooks_only)`` --

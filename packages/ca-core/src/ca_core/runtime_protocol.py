@@ -1,0 +1,44 @@
+"""What ca_core's engine hook calls on the runtime object it is installed with.
+
+The C++ side calls these attributes by name (``engine_hook.cpp``), so this
+Protocol is the typed form of that seam: ``install_engine_hook`` takes a
+``EngineRuntime`` and mypy checks ``ca_runtime.Runtime`` against it. The
+contract of each method is ca_runtime's [Note: Capture methods].
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+    from ca_core._C import BackwardGraph
+
+__all__ = ["EngineRuntime"]
+
+
+class EngineRuntime(Protocol):
+    #: Why the last capture or first run failed (stored on the failed cache entry).
+    last_failure: str
+
+    def capture(self, graph: BackwardGraph) -> tuple[Callable[..., Any], list[int], list[bool]] | None:
+        """Build and compile the graph of a walked backward, or None to run it eagerly."""
+        ...
+
+    def run_first(
+        self,
+        compiled: Callable[..., Any],
+        inputs: list[torch.Tensor],
+        sizes: list[torch.Tensor],
+        scalars: list[int | float],
+        hooks: list[Any],
+        dynamic_dims: Sequence[tuple[int, int]] = (),
+    ) -> Sequence[torch.Tensor | None] | None:
+        """First call of a fresh graph; None (with ``last_failure`` set) if it failed."""
+        ...
+
+    def report_fallback(self, node: str, reason: str) -> None:
+        """Warn that this backward runs eagerly because ``node`` failed for ``reason``."""
+        ...
