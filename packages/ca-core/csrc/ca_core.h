@@ -322,6 +322,8 @@ nb::object describe_backward(const BackwardState& state);
 void register_engine_hook(nb::module_& m);
 void register_graph_walk(nb::module_& m);
 void register_node_apply(nb::module_& m);
+/// describe.cpp: NodeInfo, BackwardGraph and the other seam types.
+void register_describe(nb::module_& m);
 void register_compiler_interface(nb::module_& m);
 
 } // namespace ca

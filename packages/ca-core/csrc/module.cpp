@@ -14,6 +14,7 @@ NB_MODULE(_C, m) {
         }
       });
   ca::register_graph_walk(m);
+  ca::register_describe(m);
   ca::register_node_apply(m);
   ca::register_compiler_interface(m);
   ca::register_engine_hook(m);
