@@ -35,6 +35,28 @@ using torch::dynamo::autograd::NodeCall;
 using torch::dynamo::autograd::SizeInput;
 
 /*
+[Note: How a backward flows through ca_core]
+One backward, file by file (each file registers its Python API with
+register_x(); module.cpp only calls them):
+  1. engine_hook.cpp: torch's engine calls compiled_backward() instead of
+     running the graph itself (see [Note: Engine hook lifetime]).
+  2. graph_walk.cpp: walk_graph() visits the nodes in eager's order, collects
+     each node's compiled_args into its own AutogradCompilerCall (see
+     [Note: Per-node collection]) and follows one child per node key down the
+     compiler's cache tree.
+  3. shadow_cache.cpp: the tree (see [Note: Cache key]); the entry the walk
+     ends at decides hit or miss with its sizes (see [Note: Dynamic sizes]),
+     and a miss is explained (see [Note: Explained misses]).
+  4. Miss: describe.cpp turns the walked state into a BackwardGraph and
+     ca_runtime's capture() builds and compiles an FX graph (see
+     [Note: Capture methods] in ca_runtime); hit: the stored function.
+  5. The graph runs: its apply_node/validate_outputs calls are node_apply.cpp
+     (saved values swapped in per call), generated nodes' functional
+     backwards go through compiler_interface.cpp's registry.
+  6. engine_hook.cpp again: leaf grads through the real AccumulateGrad nodes,
+     saved variables released, final callbacks run; any failure of ours runs
+     the backward on the eager engine (see [Note: Eager fallback]).
+
 [Note: Per-node collection]
 torch's compiled autograd collects every node of a backward into one
 AutogradCompilerCall. We give each node its own AutogradCompilerCall instead.
@@ -318,9 +340,31 @@ TraceabilityProbe* active_probe();
 /// Builds the Python description of a walked backward handed to capture().
 nb::object describe_backward(const BackwardState& state);
 
+// shadow_cache.cpp: miss explanations and the dynamic-size policy of an entry.
+
+/// What a node looks like, kept on the child a new key creates; see [Note: Explained misses].
+std::unique_ptr<NodeSummary> summarize(const NodeState& ns, Node* fn);
+/// Why `now` (with key `key`) is not the cached sibling; see [Note: Explained misses].
+std::string explain_new_key(
+    const ShadowNode& parent,
+    const ShadowNode* created,
+    const CacheKey& key,
+    const NodeSummary& now);
+/// Whether a backward's sizes fit an entry: equal, or dynamic there.
+bool sizes_match(const ShadowNode& entry, const std::vector<int64_t>& sizes);
+/// The lifted tensors' shapes, remembered by an entry at capture.
+std::vector<std::vector<int64_t>> tensor_shapes(const BackwardState& state);
+/// On a miss: which sizes and tensor dims the new graph takes as dynamic.
+void choose_dynamic(const ShadowNode& entry, const std::vector<int64_t>& sizes, BackwardState& state);
+/// Why a backward missed an entry on its sizes alone.
+void explain_sizes(const ShadowNode& entry, const std::vector<int64_t>& sizes, BackwardState& state);
+/// The graph's `sizes` input; see [Note: Signed dynamic sizes].
+nb::list dynamic_size_args(const std::vector<bool>& dynamic, const std::vector<int64_t>& sizes);
+
 // Component registration; module.cpp calls each once.
 void register_engine_hook(nb::module_& m);
 void register_graph_walk(nb::module_& m);
+void register_shadow_cache(nb::module_& m);
 void register_node_apply(nb::module_& m);
 /// describe.cpp: NodeInfo, BackwardGraph and the other seam types.
 void register_describe(nb::module_& m);

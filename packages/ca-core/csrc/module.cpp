@@ -13,6 +13,7 @@ NB_MODULE(_C, m) {
           e.restore();
         }
       });
+  ca::register_shadow_cache(m);
   ca::register_graph_walk(m);
   ca::register_describe(m);
   ca::register_node_apply(m);

@@ -1,0 +1,465 @@
+// shadow_cache.cpp — the shadow-graph cache: a tree per compiler keyed by
+// node keys (lookup, clear, failures, entries), the dynamic-size policy of an
+// entry (which sizes match, which become dynamic, how they reach the graph)
+// and the explanations of misses.
+#include "ca_core.h"
+#include "tensor_caster.h"
+
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
+
+#include <atomic>
+
+#include <nanobind/stl/string.h>
+
+namespace ca {
+
+using torch::autograd::AccumulateGrad;
+
+/*
+[Note: Cache key]
+The shadow graph is a tree: the root stands for "no node seen yet" and each
+visited node of a backward moves one level down, along the child whose
+CacheKey equals that node's key. A backward is a hit when the walk ends at a
+ShadowNode that holds a compiled function and whose expected sizes match.
+
+A node's key is the node's C++ type plus the bytes torch's CompiledNodeArgs
+visitor writes for it:
+  - the node's graph-wide id, its graph outputs and the ids of its hooks
+    (collect(NodeCall));
+  - whether the node is needed (exec_info of .grad / backward(inputs=));
+  - what its compiled_args specialises on (scalars, dtypes, flags, and the
+    id/device/dtype/requires_grad of each tensor it lifts);
+  - for each next edge: validity, the graph-wide id of the node it leads to,
+    the input number and the input metadata validate_outputs checks against.
+The graph-wide ids are ours (discovery order of the walk) because each node
+collects into its own AutogradCompilerCall; see [Note: Per-node collection].
+Because the walk order is eager's order and ids follow discovery, two
+backwards with the same key path have the same graph.
+
+[Note: Dynamic sizes]
+Sizes (the SymInts a node's compiled_args visits: saved sizes, the shapes of
+its next edges' input metadata) are not part of the key. They are static at
+the first capture: the graph is specialised on them and the entry remembers
+them. A backward whose sizes differ from a static one is a miss; the sizes
+that changed become dynamic for good (ShadowNode::dynamic_sizes), the graph is
+captured again with them as inputs and the lifted tensors' dimensions that
+changed are marked dynamic before its first run, so a later new value is a
+hit and Dynamo does not recompile either. At most one recapture per newly
+changed size. A dynamic size reaches the graph as an empty tensor of shape
+(0, size) whose dim 1 Dynamo treats as a SymInt (a plain int cannot be marked
+dynamic); the graph unwraps it with .size(1). See [Note: Signed dynamic sizes]
+for sizes that are not shapes.
+
+[Note: Signed dynamic sizes]
+Not every SymInt a node visits is a shape: TrilBackward0's diagonal,
+RollBackward0's shifts, SelectBackward0's index and NarrowBackward0's start
+are SymInts too and may be negative. A cache hit must be correct for every
+value a dynamic size can take, so the encoding has to carry any int64 and the
+compiled graph must be guarded on every assumption it made about it:
+  - a negative size travels as an empty (0, 0, -size) tensor and unwrap_size
+    returns -t.size(2) for a rank-3 tensor. The rank is static to Dynamo, so a
+    graph compiled for one sign is guarded on it and Dynamo recompiles (inside
+    the same compiled_fn, no recapture) when the sign flips;
+  - Dynamo specialises a marked dim whose value is 0 or 1 and guards every
+    other symbol as >= 2, so 0 and 1 (and -1) are guarded the same way;
+  - everything else a graph assumes about a size (a relation between two of
+    them, a bound) is a Dynamo guard on these input tensors' shapes.
+A hit therefore never runs a graph outside what it was compiled for: it is
+either served by the graph Dynamo compiled for those values or recompiled.
+ca_runtime's tests/test_size_guards.py runs the ops above through sequences
+of sizes and scalars, 0, 1 and negative ones included.
+
+[Note: Static when dynamic fails]
+Some backward formulas cannot be traced with symbolic sizes in torch 2.13
+(UpsampleBilinear2DBackward0: aten.upsample_bilinear2d_backward has no
+symbolic meta, "Expected IntList but got GenericList"). When the first run
+of a graph captured with dynamic sizes or dims fails, the engine hook
+captures the same backward again with every size static and runs that
+instead, and the entry keeps its sizes static from then on
+(ShadowNode::static_sizes): each new value is a recapture, as Dynamo does
+without dynamic shapes, never an eager fallback. Only a failure of the static
+graph too is a fallback.
+
+[Note: Explained misses]
+When a node's key is new at a level of the tree that already has other
+children, the backward took a new path there: the walk records which node
+(its position in the walk) and why, by comparing what the node looks like now
+(NodeSummary: type, hook counts, lifted tensors' dtype/device/requires_grad,
+whether a leaf's .grad is defined) with the sibling that led to the cached
+path (same node type preferred), plus the byte range where the two keys
+differ. Summaries are made only when a child is created, i.e. on misses; the
+hit path never builds one. A miss caused by a changed static size is
+explained by the engine hook (which sizes, from what to what).
+
+[Note: One cache per compiler]
+A graph compiled with one compiler_fn must not serve a backward run under
+another (aot_eager then inductor in one process would otherwise replay the
+aot_eager graph). The cache is a tree per compiler: enable() installs the
+engine hook with a key naming its compiler ("backend:inductor" for a backend
+name, the callable's identity for a compiler_fn, which ca_runtime keeps alive
+so the identity cannot be reused), and walks start at that key's root. The
+same backend name or the same callable finds its earlier captures.
+
+[Note: Cache and the GIL]
+Every read and write of the cache tree happens with the GIL held and without
+running Python code in between, so the GIL serialises threads for us. Python
+code (capture, compiler_fn, the compiled graph) may release the GIL, so a
+ShadowNode pointer is not trusted across such a call: clear_cache() bumps the
+generation and the engine hook re-checks it before storing a result.
+*/
+
+namespace {
+std::atomic<uint64_t> g_generation{0};
+} // namespace
+
+
+ShadowNode* ShadowNode::lookup(const CacheKey& key, bool& created) {
+  auto it = next.find(key);
+  created = it == next.end();
+  if (created) {
+    // The key's bytes live in CompiledNodeArgs' temporary buffer: copy them.
+    CacheKeyBuffer buffer(key.key, key.key_size);
+    CacheKey stored(key.node_type, buffer.get(), key.key_size);
+    it = next.emplace(stored, std::make_unique<ShadowNode>()).first;
+    key_storage.emplace_back(std::move(buffer));
+  }
+  return it->second.get();
+}
+
+void ShadowNode::clear_failed() {
+  if (failed) {
+    failed = false;
+    failure.clear();
+    compiled_fn = nb::object();
+    first_run = true;
+  }
+  walk_failures.clear();
+  for (auto& [_, child] : next) {
+    child->clear_failed();
+  }
+}
+
+void ShadowNode::clear() {
+  next.clear();
+  key_storage.clear();
+  expected_sizes.clear();
+  dynamic_sizes.clear();
+  tensor_shapes.clear();
+  compiled_fn = nb::object();
+  failed = false;
+  failure.clear();
+  static_sizes = false;
+  first_run = true;
+  hits = 0;
+  leaf_outputs.clear();
+  leaf_hooks_only.clear();
+  summary.reset();
+  walk_failures.clear();
+}
+
+std::unique_ptr<NodeSummary> summarize(const NodeState& ns, Node* fn) {
+  auto summary = std::make_unique<NodeSummary>();
+  summary->name = fn->name();
+  summary->type = node_type_name(*fn);
+  for (const auto& h : ns.tensor_pre_hooks) {
+    ++summary->hooks[h.is_cpp ? 1 : 0];
+  }
+  summary->hooks[2] = static_cast<uint32_t>(ns.call.pre_hooks.size());
+  summary->hooks[3] = static_cast<uint32_t>(ns.call.post_hooks.size());
+  summary->hooks[4] = static_cast<uint32_t>(ns.call.post_acc_grad_hooks.size());
+  if (ns.collected) {
+    for (const auto& t : ns.collected->tensor_args.inputs) {
+      std::string desc = std::string(c10::toString(t.scalar_type())) + " " +
+          t.device().str() + (t.requires_grad() ? " requires_grad" : "");
+      summary->tensors.push_back(std::move(desc));
+    }
+  }
+  if (ns.is_accumulate_grad) {
+    summary->grad_defined =
+        static_cast<AccumulateGrad*>(fn)->variable.grad().defined() ? 1 : 0;
+  }
+  return summary;
+}
+
+/// Why `now` (with key `key`) is not the cached sibling; see [Note: Explained misses].
+std::string explain_new_key(
+    const ShadowNode& parent,
+    const ShadowNode* created,
+    const CacheKey& key,
+    const NodeSummary& now) {
+  const CacheKey* best_key = nullptr;
+  const NodeSummary* best = nullptr;
+  for (const auto& [k, child] : parent.next) {
+    if (child.get() == created || !child->summary) {
+      continue;
+    }
+    if (best == nullptr || (child->summary->type == now.type && best->type != now.type)) {
+      best = child->summary.get();
+      best_key = &k;
+    }
+  }
+  if (best == nullptr) {
+    return "a new path in the cache";
+  }
+  std::vector<std::string> reasons;
+  if (best->type != now.type) {
+    reasons.push_back("node type " + now.type + " where the cached graph has " + best->type + " (" + best->name + ")");
+  } else {
+    static const char* kinds[] = {
+        "Python tensor hooks", "C++ tensor hooks / retain_grad",
+        "grad_fn pre-hooks", "grad_fn hooks", "post-accumulate-grad hooks"};
+    for (size_t i = 0; i < now.hooks.size(); ++i) {
+      if (now.hooks[i] != best->hooks[i]) {
+        reasons.push_back(
+            std::string(now.hooks[i] > best->hooks[i] ? "a hook was added" : "a hook was removed") +
+            " (" + kinds[i] + ": " + std::to_string(best->hooks[i]) + " -> " +
+            std::to_string(now.hooks[i]) + ")");
+      }
+    }
+    if (now.grad_defined != best->grad_defined && now.grad_defined >= 0) {
+      reasons.push_back(now.grad_defined ? "the leaf's .grad became defined" : "the leaf's .grad became None");
+    } else if (now.tensors.size() != best->tensors.size()) {
+      reasons.push_back(
+          "it saves " + std::to_string(now.tensors.size()) + " tensors, the cached graph " +
+          std::to_string(best->tensors.size()));
+    } else {
+      for (size_t i = 0; i < now.tensors.size(); ++i) {
+        if (now.tensors[i] != best->tensors[i]) {
+          reasons.push_back(
+              "saved tensor #" + std::to_string(i) + " is " + now.tensors[i] +
+              ", was " + best->tensors[i]);
+        }
+      }
+    }
+  }
+  // Byte range where the keys differ.
+  const size_t n = std::min<size_t>(key.key_size, best_key->key_size);
+  size_t first = 0;
+  while (first < n && key.key[first] == best_key->key[first]) {
+    ++first;
+  }
+  size_t tail = 0;
+  while (tail < n - first &&
+         key.key[key.key_size - 1 - tail] == best_key->key[best_key->key_size - 1 - tail]) {
+    ++tail;
+  }
+  std::string detail = "key bytes [" + std::to_string(first) + ", " +
+      std::to_string(key.key_size - tail) + ") of " + std::to_string(key.key_size) +
+      " differ from the cached key (" + std::to_string(best_key->key_size) + " bytes)";
+  if (reasons.empty()) {
+    reasons.push_back("a specialised value changed");
+  }
+  std::string out;
+  for (const auto& r : reasons) {
+    out += (out.empty() ? "" : "; ") + r;
+  }
+  return out + "; " + detail;
+}
+
+
+/// Cache roots by compiler key, in creation order; see [Note: One cache per compiler].
+std::vector<std::pair<std::string, std::unique_ptr<ShadowNode>>>& cache_roots() {
+  // Leaked on purpose: its Python objects must not be released after the
+  // interpreter is gone.
+  static auto* roots = new std::vector<std::pair<std::string, std::unique_ptr<ShadowNode>>>();
+  return *roots;
+}
+
+ShadowNode& cache_root(const std::string& compiler_key) {
+  auto& roots = cache_roots();
+  for (auto& [key, root] : roots) {
+    if (key == compiler_key) {
+      return *root;
+    }
+  }
+  return *roots.emplace_back(compiler_key, std::make_unique<ShadowNode>()).second;
+}
+
+uint64_t cache_generation() {
+  return g_generation.load();
+}
+
+/// Whether a backward's sizes fit an entry: equal, or dynamic there; see
+/// [Note: Dynamic sizes].
+bool sizes_match(const ShadowNode& entry, const std::vector<int64_t>& sizes) {
+  if (sizes.size() != entry.expected_sizes.size()) {
+    return false;
+  }
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    if (sizes[i] != entry.expected_sizes[i] &&
+        !(i < entry.dynamic_sizes.size() && entry.dynamic_sizes[i])) {
+      return false;
+    }
+  }
+  return true;
+}
+
+std::vector<std::vector<int64_t>> tensor_shapes(const BackwardState& state) {
+  std::vector<std::vector<int64_t>> shapes;
+  shapes.reserve(state.lifted_tensors.size());
+  for (const auto& t : state.lifted_tensors) {
+    shapes.emplace_back(t.sizes().begin(), t.sizes().end());
+  }
+  return shapes;
+}
+
+/// On a miss: sizes dynamic at the entry stay so, sizes that changed since its
+/// last capture become so, and so do the tensor dims that changed.
+void choose_dynamic(
+    const ShadowNode& entry,
+    const std::vector<int64_t>& sizes,
+    BackwardState& state) {
+  state.dynamic_sizes.assign(sizes.size(), false);
+  state.dynamic_dims.clear();
+  const bool comparable = entry.expected_sizes.size() == sizes.size();
+  if (!comparable || entry.static_sizes) {
+    // See [Note: Static when dynamic fails].
+    return;
+  }
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    const bool was_dynamic =
+        i < entry.dynamic_sizes.size() && entry.dynamic_sizes[i];
+    state.dynamic_sizes[i] =
+        was_dynamic || sizes[i] != entry.expected_sizes[i];
+  }
+  if (entry.tensor_shapes.size() != state.lifted_tensors.size()) {
+    return;
+  }
+  for (size_t i = 0; i < state.lifted_tensors.size(); ++i) {
+    const auto now = state.lifted_tensors[i].sizes();
+    const auto& before = entry.tensor_shapes[i];
+    if (now.size() != before.size()) {
+      continue;
+    }
+    for (size_t d = 0; d < now.size(); ++d) {
+      if (now[d] != before[d]) {
+        state.dynamic_dims.emplace_back(
+            static_cast<uint32_t>(i), static_cast<uint32_t>(d));
+      }
+    }
+  }
+}
+
+/// Why a backward missed an entry on its sizes alone; see [Note: Explained misses].
+void explain_sizes(
+    const ShadowNode& entry,
+    const std::vector<int64_t>& sizes,
+    BackwardState& state) {
+  if (state.miss_node >= 0 || !entry.compiled_fn.is_valid() ||
+      entry.expected_sizes.size() != sizes.size()) {
+    return;
+  }
+  std::string reason;
+  size_t shown = 0;
+  size_t node = 0;
+  size_t node_end = 0;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    while (node_end <= i && node < state.nodes.size()) {
+      const auto& ns = state.nodes[node++];
+      node_end += ns.collected ? ns.collected->all_size_inputs.size() : 0;
+    }
+    const bool was_dynamic = i < entry.dynamic_sizes.size() && entry.dynamic_sizes[i];
+    if (was_dynamic || sizes[i] == entry.expected_sizes[i]) {
+      continue;
+    }
+    if (state.miss_node < 0) {
+      state.miss_node = static_cast<int64_t>(node - 1);
+    }
+    if (shown++ < 3) {
+      const auto& owner = state.nodes[node - 1];
+      reason += std::string(reason.empty() ? "" : "; ") + "size input #" +
+          std::to_string(i) + " of " + owner.call.node->name() + " (node " +
+          std::to_string(node - 1) + ") changed from " +
+          std::to_string(entry.expected_sizes[i]) + " to " +
+          std::to_string(sizes[i]) +
+          (entry.static_sizes ? " (sizes stay static here: a dynamic graph failed to compile)"
+                              : " and is now dynamic");
+    }
+  }
+  if (shown > 3) {
+    reason += "; and " + std::to_string(shown - 3) + " more sizes";
+  }
+  state.miss_reason = reason;
+}
+
+/// The graph's `sizes` input: each dynamic size as an empty tensor, (0, size)
+/// or (0, 0, -size) for a negative one; see [Note: Signed dynamic sizes].
+nb::list dynamic_size_args(
+    const std::vector<bool>& dynamic,
+    const std::vector<int64_t>& sizes) {
+  nb::list out;
+  for (size_t i = 0; i < dynamic.size(); ++i) {
+    if (dynamic[i]) {
+      const int64_t s = sizes[i];
+      out.append(nb::steal(wrap_tensor(
+          s >= 0 ? at::empty({0, s}) : at::empty({0, 0, -s}))));
+    }
+  }
+  return out;
+}
+
+void register_shadow_cache(nb::module_& m) {
+  m.def(
+      "clear_cache",
+      []() {
+        ++g_generation;
+        for (auto& [_, root] : cache_roots()) {
+          root->clear();
+        }
+      },
+      "Empties the shadow-graph cache (every captured backward, of every compiler).");
+  m.def(
+      "drop_cache_root",
+      [](const std::string& compiler_key) {
+        auto& roots = cache_roots();
+        for (auto it = roots.begin(); it != roots.end(); ++it) {
+          if (it->first == compiler_key) {
+            ++g_generation;
+            it->second->clear();  // the root itself stays: a runtime may still point at it
+            return;
+          }
+        }
+      },
+      nb::arg("compiler_key"),
+      "Empties the cache of one compiler (its compiler_fn is gone).");
+  m.def(
+      "clear_failed",
+      []() {
+        for (auto& [_, root] : cache_roots()) {
+          root->clear_failed();
+        }
+      },
+      "Forgets every failure in the cache: those key paths are captured again.");
+  m.def(
+      "cache_entries",
+      []() {
+        // Per compiler root, depth-first over the tree: (key-path length,
+        // hits, failed, dynamic sizes, sizes, compiler key, failure) per
+        // compiled or failed entry.
+        nb::list out;
+        for (const auto& [compiler, root] : cache_roots()) {
+          std::vector<std::pair<const ShadowNode*, size_t>> stack{{root.get(), 0}};
+          while (!stack.empty()) {
+            auto [node, depth] = stack.back();
+            stack.pop_back();
+            if (node->compiled_fn.is_valid() || node->failed) {
+              size_t dynamic = 0;
+              for (bool d : node->dynamic_sizes) {
+                dynamic += d ? 1 : 0;
+              }
+              out.append(nb::make_tuple(
+                  depth, node->hits, node->failed, dynamic,
+                  node->expected_sizes.size(), compiler, node->failure));
+            }
+            for (const auto& [_, child] : node->next) {
+              stack.emplace_back(child.get(), depth + 1);
+            }
+          }
+        }
+        return out;
+      },
+      "(key_path_length, hits, failed, num_dynamic_sizes, num_sizes, compiler, "
+      "failure) of every cache entry.");
+}
+
+} // namespace ca
