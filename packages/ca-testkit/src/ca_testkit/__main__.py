@@ -1,10 +1,10 @@
 """``python -m ca_testkit``: the OpInfo sweep and the random-graph fuzzer.
 
-    python -m ca_testkit sweep --backend aot_eager [--impl ca|torch] [--ops PATTERN]
-                               [--dtype float32,float64,complex64] [--samples K|all]
-                               [--every N] [--timeout SECONDS] [--jobs N] --json out.json
-    python -m ca_testkit report a.json b.json [--markdown out.md]
-    python -m ca_testkit fuzz --examples 5000 [--backend none|eager|aot_eager] [--seed N]
+python -m ca_testkit sweep --backend aot_eager [--impl ca|torch] [--ops PATTERN]
+                           [--dtype float32,float64,complex64] [--samples K|all]
+                           [--every N] [--timeout SECONDS] [--jobs N] --json out.json
+python -m ca_testkit report a.json b.json [--markdown out.md]
+python -m ca_testkit fuzz --examples 5000 [--backend none|eager|aot_eager] [--seed N] [--jobs N]
 """
 
 from __future__ import annotations
@@ -48,8 +48,14 @@ def _sweep(args: argparse.Namespace) -> int:
     )
     print(sweep.summary(results))
     if args.json:
-        settings = {"dtypes": list(dtypes), "samples": samples, "every": args.every, "timeout": timeout,
-                    "ops_pattern": args.ops, "seconds": round(elapsed, 1)}
+        settings = {
+            "dtypes": list(dtypes),
+            "samples": samples,
+            "every": args.every,
+            "timeout": timeout,
+            "ops_pattern": args.ops,
+            "seconds": round(elapsed, 1),
+        }
         sweep.write_json(args.json, sweep.to_json(results, args.backend, args.impl, **settings))
     return 0
 
@@ -82,19 +88,54 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _fuzz_slice(examples: int, backend: str, seed: int, impl: str) -> str | None:
+    """One worker's share of a fuzz run: the failing program's snippet, or None."""
+    from ca_testkit import fuzz
+
+    failing = fuzz.fuzz(examples, backend, seed=seed, impl=impl)
+    return None if failing is None else failing.snippet(backend)
+
+
+def _missing_extra(module: str, extra: str) -> bool:
+    """Says which extra to install when ``module`` is missing (instead of a raw ModuleNotFoundError)."""
+    import importlib.util
+
+    if importlib.util.find_spec(module) is not None:
+        return False
+    print(f"this command needs {module!r}: pip install 'ca-testkit[{extra}]'", file=sys.stderr)
+    return True
+
+
 def _fuzz(args: argparse.Namespace) -> int:
     import time
 
-    from ca_testkit import fuzz
+    if _missing_extra("hypothesis", "fuzz"):
+        return 2
 
     start = time.perf_counter()
-    failing = fuzz.fuzz(args.examples, args.backend, seed=args.seed, impl=args.impl)
+    if args.jobs <= 1:
+        snippets = [_fuzz_slice(args.examples, args.backend, args.seed, args.impl)]
+    else:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        # Worker k explores its own seed (seed + k) with an equal share of the examples.
+        shares = [args.examples // args.jobs + (k < args.examples % args.jobs) for k in range(args.jobs)]
+        with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            futures = [
+                pool.submit(_fuzz_slice, n, args.backend, args.seed + k, args.impl)
+                for k, n in enumerate(shares)
+            ]
+            snippets = [f.result() for f in futures]
     elapsed = time.perf_counter() - start
-    if failing is not None:
-        print(f"MISMATCH after shrinking ({elapsed:.0f} s):\n{failing.snippet()}")
+    failing = [s for s in snippets if s is not None]
+    if failing:
+        print(f"MISMATCH after shrinking ({elapsed:.0f} s):\n{failing[0]}")
         return 1
-    print(f"{args.examples} random graphs, no mismatch (impl={args.impl}, backend={args.backend}, "
-          f"seed={args.seed}, {elapsed:.0f} s)")
+    print(
+        f"{args.examples} random programs, no mismatch (impl={args.impl}, backend={args.backend}, "
+        f"seed={args.seed}, jobs={args.jobs}, {elapsed:.0f} s wall)"
+    )
     return 0
 
 
@@ -106,14 +147,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--backend", default="aot_eager", help="torch.compile backend (default aot_eager)")
     p.add_argument("--impl", default="ca", choices=["ca", "torch"], help="compiled autograd to check")
     p.add_argument("--ops", default="*", help="fnmatch pattern on op names (default all)")
-    p.add_argument("--dtype", default="float32",
-                   help="comma-separated dtypes, each swept on the ops supporting it (default float32)")
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        help="comma-separated dtypes, each swept on the ops supporting it (default float32)",
+    )
     p.add_argument("--jobs", type=int, default=1, help="worker processes (default 1)")
     p.add_argument("--samples", type=_samples, default=2, help="sample inputs per op, or 'all' (default 2)")
-    p.add_argument("--every", type=int, default=1,
-                   help="only every N-th op of the sorted selection (default 1: all)")
-    p.add_argument("--timeout", type=float, default=120.0,
-                   help="seconds per (op, dtype) before it is a timeout; 0 for none (default 120)")
+    p.add_argument(
+        "--every", type=int, default=1, help="only every N-th op of the sorted selection (default 1: all)"
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=300.0,
+        help="seconds per (op, dtype) before it is a timeout; 0 for none (default 300)",
+    )
     p.add_argument("--json", help="write the results as JSON here")
     p.set_defaults(run=_sweep)
 
@@ -127,6 +176,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--backend", default="none", help="none (graph as captured), or a torch.compile backend")
     p.add_argument("--impl", default="ca", choices=["ca", "torch"])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--jobs", type=int, default=1, help="worker processes, seeds seed..seed+jobs-1 (default 1)"
+    )
     p.set_defaults(run=_fuzz)
 
     args = parser.parse_args(argv)

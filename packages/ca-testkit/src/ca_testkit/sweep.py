@@ -53,7 +53,7 @@ import threading
 import time
 import warnings
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 __all__ = [
@@ -77,8 +77,10 @@ __all__ = [
 CLASSES = ("mismatch", "error", "timeout", "eager-fallback", "graph-break-pass", "pass", "skipped")
 #: Classes the summary lists op by op.
 NOT_PASSING = tuple(c for c in CLASSES if c not in ("pass", "skipped"))
-#: Default per-(op, dtype) time limit in seconds.
-DEFAULT_TIMEOUT = 120.0
+#: Default per-(op, dtype) time limit in seconds: the slowest (op, dtype) with all its samples
+#: (nn.functional.max_pool2d, 1,440 samples; linalg.solve_triangular[complex64]) takes 60-105 s
+#: on an idle 2-core machine, about twice that on a busy one.
+DEFAULT_TIMEOUT = 300.0
 #: Seconds after the limit before the parent kills a worker that has not answered.
 KILL_GRACE = 30.0
 #: JSON format: 1 keyed ops by name (float32 only); 2 keys them ``op[dtype]``.
@@ -138,10 +140,9 @@ def parse_dtypes(text: str) -> tuple[str, ...]:
     """``"float32,complex64"`` -> ``("float32", "complex64")``, canonical names, no duplicates."""
     names: list[str] = []
     for part in text.split(","):
-        part = part.strip()
-        if not part:
+        if not part.strip():
             continue
-        name = str(_torch_dtype(part)).removeprefix("torch.")
+        name = str(_torch_dtype(part.strip())).removeprefix("torch.")
         if name not in names:
             names.append(name)
     if not names:
@@ -158,7 +159,9 @@ def select_ops(pattern: str = "*", dtype: str = "float32") -> list[str]:
     for op in op_db:
         if not op.supports_autograd:
             continue
-        if torch_dtype not in op.supported_dtypes("cpu") or torch_dtype not in op.supported_backward_dtypes("cpu"):
+        if torch_dtype not in op.supported_dtypes("cpu") or torch_dtype not in op.supported_backward_dtypes(
+            "cpu"
+        ):
             continue
         name = _op_name(op)
         if fnmatch.fnmatchcase(name, pattern):
@@ -239,7 +242,8 @@ def _difference(eager: list[Any], compiled: list[Any], dtype: str) -> str | None
     rtol, atol = _TOLERANCES.get(dtype, _DEFAULT_TOLERANCE)
     if len(eager) != len(compiled):
         return f"{len(compiled)} grads, eager has {len(eager)}"
-    for i, (x, y) in enumerate(zip(eager, compiled)):
+    for i, (a, b) in enumerate(zip(eager, compiled)):
+        x, y = a, b
         if (x is None) != (y is None):
             return f"grad {i} is {'None' if y is None else 'a tensor'}, eager's is {'None' if x is None else 'a tensor'}"
         if x is None:
@@ -292,7 +296,7 @@ class _Limit:
             return
         self._previous = signal.signal(signal.SIGALRM, self._handler)
         self.active = True
-        signal.setitimer(signal.ITIMER_REAL, self.seconds, self.RETRY)
+        signal.setitimer(signal.ITIMER_REAL, float(self.seconds or 0), self.RETRY)
 
     def disarm(self) -> None:
         """Idempotent: cancels the timer and puts the previous handler back."""
@@ -323,12 +327,19 @@ def _delta(after: dict[str, int], before: dict[str, int], key: str) -> int:
 
 
 def _compare_sample(
-    op: Any, sample: Any, index: int, backend: Any, implementation: Any, dtype: str, limit: _Limit, tally: _Tally
+    op: Any,
+    sample: Any,
+    index: int,
+    backend: Any,
+    implementation: Any,
+    dtype: str,
+    limit: _Limit,
+    tally: _Tally,
 ) -> None:
     """Runs one sample eagerly then compiled (cache kept from the earlier samples) and tallies it."""
     try:
         eager = _grads_of(op, sample)
-    except Exception:
+    except Exception:  # noqa: BLE001 - an op eager cannot run is skipped, whatever it raises
         if limit.expired:
             raise OpTimeout("eager run interrupted") from None
         return
@@ -340,7 +351,7 @@ def _compare_sample(
         try:
             with implementation.enable(backend):
                 compiled = _grads_of(op, sample)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - any failure of the compiled run is an error result
             if limit.expired:
                 raise OpTimeout("compiled run interrupted") from None
             result, why = "error", _first_line(e)
@@ -350,17 +361,25 @@ def _compare_sample(
                 raise OpTimeout("compiled run interrupted")
             after = implementation.stats()
             captures, hits = _delta(after, before, "captures"), _delta(after, before, "cache_hits")
-            breaks, fallbacks = _delta(after, before, "graph_breaks"), _delta(after, before, "eager_fallbacks")
+            breaks, fallbacks = (
+                _delta(after, before, "graph_breaks"),
+                _delta(after, before, "eager_fallbacks"),
+            )
             tally.captures += captures
             tally.cache_hits += hits
             warned = [w for w in caught if w.category.__name__ == "EagerFallbackWarning"]
-            difference = "no differentiable output" if compiled is None else _difference(eager, compiled, dtype)
+            difference = (
+                "no differentiable output" if compiled is None else _difference(eager, compiled, dtype)
+            )
             if difference is not None:
                 result, why = "mismatch", difference
             elif warned:
                 result, why = "eager-fallback", str(warned[0].message)
             elif fallbacks:
-                result, why = "eager-fallback", f"{fallbacks} backward(s) ran eagerly (failure remembered in the cache)"
+                result, why = (
+                    "eager-fallback",
+                    f"{fallbacks} backward(s) ran eagerly (failure remembered in the cache)",
+                )
             elif "cache_hits" in after and not captures and not hits:
                 result, why = "eager-fallback", "nothing was captured or served from the cache"
             elif breaks:
@@ -401,7 +420,9 @@ def sweep_op(
         limit.arm()
         try:
             torch.manual_seed(0)
-            samples = list(itertools.islice(op.sample_inputs("cpu", torch_dtype, requires_grad=True), max_samples))
+            samples = list(
+                itertools.islice(op.sample_inputs("cpu", torch_dtype, requires_grad=True), max_samples)
+            )
             for index, sample in enumerate(samples):
                 _compare_sample(op, sample, index, backend, implementation, dtype, limit, tally)
         finally:
@@ -426,7 +447,12 @@ def sweep_op(
 
 
 def _sweep_one(
-    name: str, backend: Any, impl: str, max_samples: int | None, dtype: str = "float32", timeout: float | None = None
+    name: str,
+    backend: Any,
+    impl: str,
+    max_samples: int | None,
+    dtype: str = "float32",
+    timeout: float | None = None,
 ) -> OpResult:
     """sweep_op, but a failure of the harness itself is reported, not raised."""
     start = time.perf_counter()
@@ -434,11 +460,21 @@ def _sweep_one(
         return sweep_op(name, backend, impl, max_samples, dtype=dtype, timeout=timeout)
     except OpTimeout:
         # The timer fired between the op's own handling and its disarm.
-        return OpResult(name, "timeout", f"no result within {timeout} s", dtype=dtype,
-                        seconds=round(time.perf_counter() - start, 3))
-    except Exception as e:
-        return OpResult(name, "error", f"harness: {_first_line(e)}"[:300], dtype=dtype,
-                        seconds=round(time.perf_counter() - start, 3))
+        return OpResult(
+            name,
+            "timeout",
+            f"no result within {timeout} s",
+            dtype=dtype,
+            seconds=round(time.perf_counter() - start, 3),
+        )
+    except Exception as e:  # noqa: BLE001 - a harness failure is one op's result, not the sweep's end
+        return OpResult(
+            name,
+            "error",
+            f"harness: {_first_line(e)}"[:300],
+            dtype=dtype,
+            seconds=round(time.perf_counter() - start, 3),
+        )
 
 
 def _worker(conn: Any, backend: Any, impl: str, max_samples: int | None, timeout: float | None) -> None:
@@ -464,6 +500,18 @@ def _worker(conn: Any, backend: Any, impl: str, max_samples: int | None, timeout
             return  # torch state may be half-done: the parent starts a fresh worker
 
 
+@dataclasses.dataclass
+class _Worker:
+    """The parent's view of one worker process."""
+
+    process: Any
+    conn: Any
+    ready: bool = False
+    #: The (op, dtype) it is running, and since when (time.monotonic()).
+    task: tuple[str, str] | None = None
+    since: float = 0.0
+
+
 def _run_workers(
     tasks: Sequence[tuple[str, str]],
     backend: Any,
@@ -471,91 +519,92 @@ def _run_workers(
     jobs: int,
     max_samples: int | None,
     timeout: float | None,
-    report: Any,
+    report: Callable[[Sequence[OpResult]], None],
 ) -> None:
+    """Runs ``tasks`` on ``jobs`` spawned workers; see [Note: Per-op time limit]."""
     import multiprocessing
-    from multiprocessing.connection import wait
+    from multiprocessing.connection import Connection, wait
 
     ctx = multiprocessing.get_context("spawn")
     pending = deque(tasks)
     hard_limit = timeout + KILL_GRACE if timeout and timeout > 0 else None
-    # conn -> [process, task or None, time sent, ready]
-    workers: dict[Any, list[Any]] = {}
+    workers: dict[Connection, _Worker] = {}
 
     def start() -> None:
         parent, child = ctx.Pipe()
         process = ctx.Process(target=_worker, args=(child, backend, impl, max_samples, timeout), daemon=True)
         process.start()
         child.close()
-        workers[parent] = [process, None, 0.0, False]
+        workers[parent] = _Worker(process, parent)
 
-    def stop(conn: Any, kill: bool = False) -> None:
-        process = workers.pop(conn)[0]
+    def stop(worker: _Worker, kill: bool = False) -> None:
+        workers.pop(worker.conn, None)
         if kill:
-            process.kill()
+            worker.process.kill()
         else:
-            with contextlib.suppress(Exception):
-                conn.send(None)
-        process.join(10)
-        if process.is_alive():
-            process.kill()
-            process.join()
-        conn.close()
+            with contextlib.suppress(OSError):
+                worker.conn.send(None)
+        worker.process.join(10)
+        if worker.process.is_alive():
+            worker.process.kill()
+            worker.process.join()
+        worker.conn.close()
 
-    def dispatch(conn: Any) -> None:
-        state = workers[conn]
+    def replace(worker: _Worker, result: str, detail: str) -> None:
+        """Reports the worker's op as ``result``, kills the worker, starts another if work is left."""
+        stop(worker, kill=True)
+        if worker.task is not None:
+            seconds = round(time.monotonic() - worker.since, 3)
+            report([OpResult(worker.task[0], result, detail, dtype=worker.task[1], seconds=seconds)])
         if pending:
-            state[1], state[2] = pending.popleft(), time.monotonic()
-            conn.send(state[1])
+            start()
+
+    def dispatch(worker: _Worker) -> None:
+        if pending:
+            worker.task, worker.since = pending.popleft(), time.monotonic()
+            worker.conn.send(worker.task)
         else:
-            stop(conn)
+            stop(worker)
 
     try:
         for _ in range(min(jobs, len(pending))):
             start()
         while workers:
             for conn in wait(list(workers), timeout=1.0):
-                state = workers[conn]
+                worker = workers[conn]  # type: ignore[index]
                 try:
-                    message = conn.recv()
-                except (EOFError, OSError):
-                    process, task = state[0], state[1]
-                    process.join(10)
-                    stop(conn, kill=True)
-                    if task is not None:
-                        report([OpResult(task[0], "error", f"worker died (exit code {process.exitcode})",
-                                         dtype=task[1], seconds=round(time.monotonic() - state[2], 3))])
-                    elif not state[3]:
-                        raise RuntimeError(f"sweep: a worker failed to start (exit code {process.exitcode})")
-                    if pending:
-                        start()
+                    message = worker.conn.recv()
+                except (EOFError, OSError) as died:
+                    worker.process.join(10)
+                    if not worker.ready:
+                        stop(worker, kill=True)
+                        raise RuntimeError(
+                            f"sweep: a worker failed to start (exit code {worker.process.exitcode})"
+                        ) from died
+                    replace(worker, "error", f"worker died (exit code {worker.process.exitcode})")
                     continue
                 if message == "ready":
-                    state[3] = True
-                    dispatch(conn)
+                    worker.ready = True
+                    dispatch(worker)
                     continue
-                state[1] = None
+                worker.task = None
                 report([message])
                 if message.result == "timeout":
-                    stop(conn)  # it exits by itself; see _worker
-                    if pending:
-                        start()
+                    replace(worker, "", "")  # it exits by itself after a timeout; see _worker
                 else:
-                    dispatch(conn)
+                    dispatch(worker)
             if hard_limit is not None:
                 now = time.monotonic()
-                for conn, state in list(workers.items()):
-                    task = state[1]
-                    if task is not None and now - state[2] > hard_limit:
-                        stop(conn, kill=True)
-                        report([OpResult(task[0], "timeout",
-                                         f"no result within {timeout:g} s; worker killed after {now - state[2]:.0f} s "
-                                         "(did not return to Python)", dtype=task[1], seconds=round(now - state[2], 3))])
-                        if pending:
-                            start()
+                for worker in list(workers.values()):
+                    if worker.task is not None and now - worker.since > hard_limit:
+                        detail = (
+                            f"no result within {timeout:g} s; worker killed after {now - worker.since:.0f} s "
+                            "(did not return to Python)"
+                        )
+                        replace(worker, "timeout", detail)
     finally:
-        for conn in list(workers):
-            stop(conn, kill=True)
+        for worker in list(workers.values()):
+            stop(worker, kill=True)
 
 
 def run_sweep(
@@ -586,7 +635,11 @@ def run_sweep(
             if not progress:
                 continue
             if r.result in NOT_PASSING:
-                print(("\r\x1b[K" if tty else "") + f"  {r.result:<16} {r.key}: {r.detail}", file=sys.stderr, flush=True)
+                print(
+                    ("\r\x1b[K" if tty else "") + f"  {r.result:<16} {r.key}: {r.detail}",
+                    file=sys.stderr,
+                    flush=True,
+                )
             now = time.monotonic()
             status = f"[{len(results)}/{len(tasks)}] {now - started:6.0f} s  {r.key:<48.48} {r.result:<16}"
             if tty:
@@ -609,7 +662,7 @@ def summary_table(results: Sequence[OpResult]) -> str:
     counts = Counter(r.result for r in results)
     width = max(len(c) for c in CLASSES)
     lines = [f"{c:<{width}}  {counts.get(c, 0):>5}" for c in CLASSES]
-    return "\n".join(lines + [f"{'total':<{width}}  {len(results):>5}"])
+    return "\n".join([*lines, f"{'total':<{width}}  {len(results):>5}"])
 
 
 def summary(results: Sequence[OpResult]) -> str:
@@ -681,12 +734,18 @@ def markdown_comparison(reports: Sequence[dict[str, Any]]) -> str:
         lines.append(f"| {c} | " + " | ".join(str(r["counts"].get(c, 0)) for r in reports) + " |")
     lines.append("| (op, dtype) results | " + " | ".join(str(len(o)) for o in ops_of) + " |")
     lines.append(
-        "| samples compared | " + " | ".join(str(sum(v.get("samples", 0) for v in o.values())) for o in ops_of) + " |"
+        "| samples compared | "
+        + " | ".join(str(sum(v.get("samples", 0) for v in o.values())) for o in ops_of)
+        + " |"
     )
     keys = sorted(set().union(*ops_of))
     differing = [k for k in keys if len({o.get(k, {}).get("result") for o in ops_of}) > 1]
     if differing:
-        lines += ["", "| op | " + " | ".join(r["impl"] for r in reports) + " |", "|---|" + "---|" * len(reports)]
+        lines += [
+            "",
+            "| op | " + " | ".join(r["impl"] for r in reports) + " |",
+            "|---|" + "---|" * len(reports),
+        ]
         for k in differing:
             cells = [o.get(k, {}).get("result", "-") for o in ops_of]
             lines.append(f"| {k} | " + " | ".join(cells) + " |")
