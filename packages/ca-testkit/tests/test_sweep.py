@@ -186,3 +186,25 @@ def test_workers_time_out_and_are_replaced(tmp_path, monkeypatch) -> None:
     assert sorted(r.result for r in results) == ["pass", "timeout", "timeout"]
     details = sorted(r.detail for r in results if r.result == "timeout")
     assert sum("worker killed" in d for d in details) == 1, details
+
+
+def test_ops_takes_a_comma_separated_list_of_patterns() -> None:
+    from ca_testkit import sweep
+
+    assert sweep.select_ops("sin, cos") == ["cos", "sin"]
+    assert set(sweep.select_ops("sin,tanh*")) >= {"sin", "tanh"}
+
+
+def test_cli_without_the_sweep_extra_says_what_to_install(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import importlib.util
+
+    from ca_testkit.__main__ import main
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "expecttest" else real(name, *a)
+    )
+    assert main(["sweep", "--ops", "sin"]) == 2
+    assert "pip install 'ca-testkit[sweep]'" in capsys.readouterr().err

@@ -151,7 +151,10 @@ def parse_dtypes(text: str) -> tuple[str, ...]:
 
 
 def select_ops(pattern: str = "*", dtype: str = "float32") -> list[str]:
-    """Sorted names (``name.variant``) of op_db ops with autograd in ``dtype`` on CPU matching ``pattern``."""
+    """Sorted names (``name.variant``) of op_db ops with autograd in ``dtype`` on CPU matching ``pattern``.
+
+    ``pattern`` is an fnmatch pattern, or several separated by commas (``"add,mul*"``).
+    """
     from torch.testing._internal.common_methods_invocations import op_db
 
     torch_dtype = _torch_dtype(dtype)
@@ -164,7 +167,7 @@ def select_ops(pattern: str = "*", dtype: str = "float32") -> list[str]:
         ):
             continue
         name = _op_name(op)
-        if fnmatch.fnmatchcase(name, pattern):
+        if any(fnmatch.fnmatchcase(name, p.strip()) for p in pattern.split(",") if p.strip()):
             names.add(name)
     return sorted(names)
 
