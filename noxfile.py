@@ -130,7 +130,9 @@ def lint(session: nox.Session) -> None:
 
     mypy reads the sources in place (and ca_core's ``_C.pyi``), so nothing is built; torch is installed for its types.
     """
-    session.install(*LINT_REQUIREMENTS, *(r for r in BUILD_REQUIREMENTS if r.startswith("torch")))
+    # The libraries the sources import, for their types (nothing of ours is built or installed).
+    typed = (*(r for r in BUILD_REQUIREMENTS if r.startswith("torch")), "pytest>=8", *TESTKIT_EXTRAS)
+    session.install(*LINT_REQUIREMENTS, *typed)
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
     session.run("mypy", *SOURCE_DIRS, env={"MYPYPATH": ":".join(SOURCE_DIRS)})
