@@ -396,6 +396,11 @@ variable_list compiled_backward_with_gil(
           args.sizes = dynamic_size_args(state->dynamic_sizes, args.size_values);
           result = run_first();
         }
+        if (result.is_none() && entry_alive()) {
+          // Static sizes did not help either: not a failure of dynamic sizes
+          // (a user's error, or one of ours), so the entry is left as it was.
+          entry->static_sizes = false;
+        }
       }
       if (result.is_none()) {
         // Eager decides whose failure it was: an error it raises too is the

@@ -76,9 +76,12 @@ symbolic meta, "Expected IntList but got GenericList"). When the first run
 of a graph captured with dynamic sizes or dims fails, the engine hook
 captures the same backward again with every size static and runs that
 instead, and the entry keeps its sizes static from then on
-(ShadowNode::static_sizes): each new value is a recapture, as Dynamo does
-without dynamic shapes, never an eager fallback. Only a failure of the static
-graph too is a fallback.
+(ShadowNode::static_sizes): each new value is a recapture (an entry holds
+one graph, so sizes alternating between two values recompile each time),
+never an eager fallback. Only a failure of the static
+graph too is a fallback, and then the entry does not stay static: that
+failure was not the dynamic sizes' (a user's error is judged by eager, see
+[Note: Whose failure], and must not change what gets compiled next).
 
 [Note: Explained misses]
 When a node's key is new at a level of the tree that already has other

@@ -434,3 +434,10 @@ def test_hook_and_cache_are_released_at_exit() -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "before exit: False 1" in proc.stdout, proc.stdout
     assert "at exit: True 0" in proc.stdout, proc.stdout
+
+
+def test_one_context_entered_twice_is_refused_and_leaks_nothing() -> None:
+    ctx = ca_runtime.enable("eager")
+    with ctx, pytest.raises(RuntimeError, match="already open"), ctx:
+        pass
+    assert ca_core.installed_runtime() is None

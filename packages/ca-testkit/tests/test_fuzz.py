@@ -95,3 +95,13 @@ def test_cli_without_the_fuzz_extra_says_what_to_install(
     )
     assert main(["fuzz", "--examples", "1"]) == 2
     assert "pip install 'ca-testkit[fuzz]'" in capsys.readouterr().err
+
+
+def test_a_compiler_that_always_fails_is_caught() -> None:
+    """A silent fallback to eager is no pass: eager vs eager would otherwise agree."""
+
+    def broken(gm: object) -> object:
+        raise RuntimeError("no compile")
+
+    failing = fuzz.fuzz(15, compiler_fn=broken, seed=0)
+    assert failing is not None

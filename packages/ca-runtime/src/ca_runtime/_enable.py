@@ -146,6 +146,11 @@ class _HookContext(contextlib.AbstractContextManager[Any]):
 
     def __enter__(self) -> Any:
         with _open_lock:
+            if self in _open_contexts:
+                raise RuntimeError(
+                    "this enable()/disable() context is already open; call ca_runtime.enable(...) again "
+                    "for a nested one"
+                )
             self._prior = _HookState.current()
             _open_contexts.append(self)
             try:

@@ -346,34 +346,57 @@ def programs(max_steps: int = 8, max_variants: int = 4) -> Any:
     return build()
 
 
-def check_program(program: Program, compiler_fn: Any, impl: str = "ca") -> Any:
-    """compare() of one program's sequence: eager vs compiled grads and hook logs, every step."""
-    from ca_testkit.compare import compare
+def _runs_a_backward(program: Program, index: int) -> bool:
+    """Whether variant ``index`` has a root that requires grad (the forward alone, no backward)."""
+    variant = program.variants[index]
+    leaves = [
+        torch.zeros(variant.rows, COLS).requires_grad_(rg) for rg in _leaf_requires_grad(program, variant)
+    ]
+    weight, lin = torch.zeros(COLS, COLS, requires_grad=True), torch.nn.Linear(COLS, COLS)
+    pool = list(leaves)
+    for step in program.steps:
+        pool.append(OPS[step.op].fn(*(pool[j] for j in step.args), weight, lin, variant.scalar))
+    return any(pool[r].requires_grad for r in program.roots)
 
-    # A program may have no root that requires grad, hence no backward to capture.
-    return compare(
+
+def check_program(program: Program, compiler_fn: Any, impl: str = "ca") -> Any:
+    """compare() of one program's sequence: eager vs compiled grads and hook logs, every step.
+
+    A sequence with a backward must capture something and fall back nowhere:
+    eager's answer from a silent fallback is no pass.
+    """
+    from ca_testkit.compare import TensorDiff, compare
+
+    backward = any(_runs_a_backward(program, i) for i in range(len(program.variants)))
+    result = compare(
         lambda i: run_program(program, i),
         compiler_fn,
         steps=len(program.variants),
         impl=impl,
-        expect_capture=False,
+        expect_capture=backward,
     )
+    fallbacks = result.stats.get("eager_fallbacks", 0)
+    if fallbacks:
+        note = f"{fallbacks} backward(s) fell back to the eager engine"
+        extra = TensorDiff("eager_fallbacks", False, 0.0, 0.0, None, None, note)
+        result = dataclasses.replace(result, diffs=(*result.diffs, extra))
+    return result
 
 
 def replay(program: Program, backend: str = "none", impl: str = "ca") -> Any:
     """Runs the program's sequence eagerly and compiled; prints the comparison and both hook logs."""
+    import ca_runtime
+
     from ca_testkit.implementations import get_implementation
 
-    result = check_program(program, resolve_backend(backend), impl)
+    compiler = resolve_backend(backend)  # one compiler object: one cache over the whole sequence
+    result = check_program(program, compiler, impl)
     print(result.report())
     implementation = get_implementation(impl)
     for label, compiled in (("eager", False), ("compiled", True)):
         implementation.reset()
         for i in range(len(program.variants)):
-            if compiled:
-                with implementation.enable(resolve_backend(backend)):
-                    _, log = run_program(program, i)
-            else:
+            with implementation.enable(compiler) if compiled else ca_runtime.disable():
                 _, log = run_program(program, i)
             print(f"step {i} {label} hook log: {log}")
     return result
