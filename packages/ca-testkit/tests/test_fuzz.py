@@ -105,3 +105,19 @@ def test_a_compiler_that_always_fails_is_caught() -> None:
 
     failing = fuzz.fuzz(15, compiler_fn=broken, seed=0)
     assert failing is not None
+
+
+def test_cli_runs_workers_in_parallel() -> None:
+    """``--jobs 2`` spawns workers that import their function from ca_testkit.fuzz (not ``__main__``)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "ca_testkit", "fuzz", "--examples", "6", "--jobs", "2", "--backend", "none"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "6 random programs, no mismatch" in proc.stdout and "jobs=2" in proc.stdout

@@ -90,14 +90,6 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
-def _fuzz_slice(examples: int, backend: str, seed: int, impl: str) -> str | None:
-    """One worker's share of a fuzz run: the failing program's snippet, or None."""
-    from ca_testkit import fuzz
-
-    failing = fuzz.fuzz(examples, backend, seed=seed, impl=impl)
-    return None if failing is None else failing.snippet(backend)
-
-
 def _missing_extra(module: str, extra: str) -> bool:
     """Says which extra to install when ``module`` is missing (instead of a raw ModuleNotFoundError)."""
     import importlib.util
@@ -113,10 +105,11 @@ def _fuzz(args: argparse.Namespace) -> int:
 
     if _missing_extra("hypothesis", "fuzz"):
         return 2
+    from ca_testkit import fuzz
 
     start = time.perf_counter()
     if args.jobs <= 1:
-        snippets = [_fuzz_slice(args.examples, args.backend, args.seed, args.impl)]
+        snippets = [fuzz.fuzz_slice(args.examples, args.backend, args.seed, args.impl)]
     else:
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
@@ -125,7 +118,7 @@ def _fuzz(args: argparse.Namespace) -> int:
         shares = [args.examples // args.jobs + (k < args.examples % args.jobs) for k in range(args.jobs)]
         with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
             futures = [
-                pool.submit(_fuzz_slice, n, args.backend, args.seed + k, args.impl)
+                pool.submit(fuzz.fuzz_slice, n, args.backend, args.seed + k, args.impl)
                 for k, n in enumerate(shares)
             ]
             snippets = [f.result() for f in futures]

@@ -447,6 +447,15 @@ def fuzz(
     return None
 
 
+def fuzz_slice(examples: int, backend: str, seed: int, impl: str = "ca") -> str | None:
+    """One worker's share of ``python -m ca_testkit fuzz --jobs N``: the failing program's snippet, or None.
+
+    Module-level (not in ``__main__``) so that spawned worker processes can import it.
+    """
+    failing = fuzz(examples, backend, seed=seed, impl=impl)
+    return None if failing is None else failing.snippet(backend)
+
+
 def planted_bug_compiler() -> Callable[..., Any]:
     """A deliberately wrong compiler_fn: where two grads are summed, every grad is 1% off.
 
