@@ -9,6 +9,8 @@ uv would download a multi-GB CUDA torch.
 
 from __future__ import annotations
 
+import shutil
+
 import nox
 
 nox.options.default_venv_backend = "virtualenv"
@@ -118,6 +120,24 @@ def fuzz(session: nox.Session) -> None:
     extra = session.posargs or ["--examples", "10000"]
     for backend in ("eager", "aot_eager"):
         session.run("python", "-m", "ca_testkit", "fuzz", "--backend", backend, "--jobs", "2", *extra)
+
+
+@nox.session(python="3.11", default=False)
+def browser(session: nox.Session) -> None:
+    """ca_runtime.report()'s page in headless Chromium (Selenium): no JavaScript error, every section present.
+
+    Installs selenium, and Debian's chromium and chromium-driver with apt-get when ``chromium`` is missing
+    (best effort: without them the test is skipped). Also collected by ``nox -s tests``, where it skips
+    unless selenium and chromium are there.
+    """
+    missing = shutil.which("chromium") is None or shutil.which("chromedriver") is None
+    if missing and shutil.which("apt-get") is not None:
+        # Needs root; a failure only means the test will be skipped.
+        session.run(
+            "apt-get", "install", "-y", "chromium", "chromium-driver", external=True, success_codes=range(256)
+        )
+    _install(session, "pytest>=8", "selenium")
+    session.run("pytest", *(session.posargs or ["packages/ca-runtime/tests/test_report_browser.py", "-rs"]))
 
 
 LINT_REQUIREMENTS = ("ruff==0.17.6", "mypy==2.4.1")

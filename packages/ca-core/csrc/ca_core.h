@@ -19,9 +19,7 @@
 #include <utility>
 #include <vector>
 
-// Exported by libtorch_python; declared here instead of including
-// <torch/csrc/PyInterpreter.h>, which pulls in pybind11.
-c10::impl::PyInterpreter* getPyInterpreter();
+#include "torch_private.h" // getPyInterpreter(); see its list of private uses
 
 namespace ca {
 
@@ -39,11 +37,12 @@ using torch::dynamo::autograd::SizeInput;
 One backward, file by file (each file registers its Python API with
 register_x(); module.cpp only calls them):
   1. engine_hook.cpp: torch's engine calls compiled_backward() instead of
-     running the graph itself (see [Note: Engine hook lifetime]).
+     running the graph itself (see [Note: Engine hook lifetime]), which runs
+     the steps below (see [Note: The steps of a backward]).
   2. graph_walk.cpp: walk_graph() visits the nodes in eager's order, collects
      each node's compiled_args into its own AutogradCompilerCall (see
      [Note: Per-node collection]) and follows one child per node key down the
-     compiler's cache tree.
+     compiler's cache tree (see [Note: The walk's steps]).
   3. shadow_cache.cpp: the tree (see [Note: Cache key]); the entry the walk
      ends at decides hit or miss with its sizes (see [Note: Dynamic sizes]),
      and a miss is explained (see [Note: Explained misses]).
@@ -56,6 +55,8 @@ register_x(); module.cpp only calls them):
   6. engine_hook.cpp again: leaf grads through the real AccumulateGrad nodes,
      saved variables released, final callbacks run; any failure of ours runs
      the backward on the eager engine (see [Note: Eager fallback]).
+Every use of torch internals that are not a stable API goes through
+torch_private.{h,cpp}, whose header lists them.
 
 [Note: Per-node collection]
 torch's compiled autograd collects every node of a backward into one
@@ -167,8 +168,14 @@ struct BackwardState {
   std::string miss_reason;
 };
 
+/// A fresh ShadowNode::id.
+uint64_t next_shadow_node_id();
+
 /// A node of the shadow-graph cache: one edge per distinct CacheKey.
 struct ShadowNode {
+  /// Unique in the process, for the node's life: cache_tree()'s ids and
+  /// BackwardGraph.entry_id.
+  uint64_t id = next_shadow_node_id();
   /// Children keyed by the next node's key; see [Note: Cache key].
   std::unordered_map<CacheKey, std::unique_ptr<ShadowNode>> next;
   /// Owns the bytes the keys of `next` point to.
@@ -337,8 +344,9 @@ struct TraceabilityProbe {
 /// The probe active on this thread, or null.
 TraceabilityProbe* active_probe();
 
-/// Builds the Python description of a walked backward handed to capture().
-nb::object describe_backward(const BackwardState& state);
+/// Builds the Python description of a walked backward handed to capture(),
+/// to be stored at the cache entry `entry_id` (ShadowNode::id).
+nb::object describe_backward(const BackwardState& state, uint64_t entry_id);
 
 // shadow_cache.cpp: miss explanations and the dynamic-size policy of an entry.
 

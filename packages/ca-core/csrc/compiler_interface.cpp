@@ -2,6 +2,7 @@
 // functional backward each generated node binds, keeps them in a registry,
 // and runs them (and CopySlices' prologue/epilogue) on the values given.
 #include "ca_core.h"
+#include "torch_private.h"
 #include "tensor_caster.h"
 
 #include <ATen/ATen.h>
@@ -10,16 +11,6 @@
 #include <nanobind/stl/vector.h>
 
 #include <mutex>
-
-// Exported by libtorch_python; declared here rather than including
-// <torch/csrc/jit/python/pybind_utils.h>, which pulls in much of the JIT.
-namespace torch::jit {
-c10::IValue toIValue(
-    pybind11::handle obj,
-    const c10::TypePtr& type,
-    std::optional<int32_t> N);
-pybind11::object toPyObject(c10::IValue ivalue);
-} // namespace torch::jit
 
 namespace ca {
 
@@ -110,12 +101,11 @@ void share_with_torch(
         ivalue_list packed;
         packed.reserve(schema.size());
         for (size_t i = 0; i < schema.size(); ++i) {
-          packed.push_back(torch::jit::toIValue(
-              pybind11::handle(args[i + 1].ptr()), schema[i], std::nullopt));
+          packed.push_back(torch_private::to_ivalue(args[i + 1], schema[i]));
         }
         return fn(grads, packed);
       });
-  ops.attr("add")(name, callable, false, is_traceable);
+  torch_private::add_torch_op(ops, name, callable, is_traceable);
 }
 
 /// Runs a functional that was bound to torch's compiled autograd first.
@@ -136,7 +126,7 @@ variable_list call_torch_functional(
   }
   args.append(grads);
   for (const auto& iv : packed_args) {
-    args.append(nb::steal(torch::jit::toPyObject(iv).release().ptr()));
+    args.append(torch_private::to_py_object(iv));
   }
   nb::object result = ops.attr(name.c_str())(*nb::tuple(args));
   variable_list out;

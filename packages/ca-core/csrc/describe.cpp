@@ -2,6 +2,7 @@
 // describe_backward: what ca_runtime's capture() is told about a walked
 // backward, built on a cache miss only.
 #include "ca_core.h"
+#include "torch_private.h"
 #include "tensor_caster.h"
 
 #include <torch/csrc/Device.h>
@@ -11,7 +12,6 @@
 #include <cstring>
 #include <typeinfo>
 
-#include <nanobind/stl/map.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
@@ -60,11 +60,23 @@ struct FunctionInfo {
   std::vector<uint32_t> opaque_hooks;
 };
 
+/// Which kind of tensor pre-hook; ca_runtime's HOOK_RULES has a row per kind.
+enum class TensorPreHookKind {
+  /// A Python hook (Tensor.register_hook): traced.
+  python,
+  /// A C++ hook with compiled_args, called by its id.
+  cpp,
+  /// The hook retain_grad() installs (a C++ one).
+  retains_grad,
+  /// A C++ hook without compiled_args, called on all the node's input grads
+  /// (call_opaque_tensor_pre_hook).
+  opaque,
+};
+
 /// One tensor pre-hook as capture() sees it.
 struct TensorPreHookInfo {
-  /// "python", "cpp", "retains_grad" or "opaque" (a C++ hook called on all
-  /// the node's input grads, for call_opaque_tensor_pre_hook).
-  std::string kind;
+  /// What kind of hook it is.
+  TensorPreHookKind kind = TensorPreHookKind::python;
   /// Python hooks: index in the graph's `hooks` list; C++ hooks: the node's
   /// own C++ hook id (for call_cpp_tensor_pre_hook).
   uint32_t hook = 0;
@@ -93,9 +105,15 @@ struct NodeInfo {
   std::vector<std::pair<int, int>> graph_output;
   /// AccumulateGrad: its input grad becomes a graph output.
   bool is_accumulate_grad = false;
-  /// Number of hooks per kind on this node, only kinds present:
-  /// tensor_pre, cpp_tensor_pre, pre, post, post_acc_grad, saved_tensor.
-  std::map<std::string, uint32_t> hooks;
+  /// Autograd's sequence number of the node (eager's ready-queue order).
+  uint64_t sequence_nr = 0;
+  /// Number of grad_fn pre-hooks (register_prehook). For AccumulateGrad they
+  /// are not collected and run around the real node; see [Note: Leaf node hooks].
+  uint32_t num_grad_fn_pre_hooks = 0;
+  /// Number of grad_fn post-hooks (register_hook); as above for AccumulateGrad.
+  uint32_t num_grad_fn_post_hooks = 0;
+  /// Number of post-accumulate-grad hooks (AccumulateGrad only).
+  uint32_t num_post_acc_grad_hooks = 0;
   /// Index in the graph's `inputs` list of each tensor the node lifted, in
   /// the order apply_with_saved takes them.
   std::vector<uint32_t> tensor_slots;
@@ -159,16 +177,16 @@ struct BackwardGraph {
   std::optional<uint32_t> miss_node;
   /// Why, in words (empty for a first capture).
   std::string miss_reason;
+  /// The cache entry the graph is stored at (an id of cache_tree()).
+  uint64_t entry_id = 0;
 };
 
 /// The FunctionInfo of a PyNode the graph can call directly, or nullopt.
 std::optional<FunctionInfo> describe_function(
     const NodeState& ns,
     uint32_t hook_offset) {
-  // PyNode's typeinfo is not exported by libtorch_python, so no dynamic_cast:
-  // compare the mangled type name instead.
   Node* node = ns.call.node.get();
-  if (std::strcmp(typeid(*node).name(), "N5torch8autograd6PyNodeE") != 0) {
+  if (!torch_private::is_py_node(*node)) {
     return std::nullopt;
   }
   auto* py_node = static_cast<torch::autograd::PyNode*>(node);
@@ -233,8 +251,9 @@ std::optional<FunctionInfo> describe_function(
 
 } // namespace
 
-nb::object describe_backward(const BackwardState& state) {
+nb::object describe_backward(const BackwardState& state, uint64_t entry_id) {
   BackwardGraph graph;
+  graph.entry_id = entry_id;
   graph.num_outputs = state.num_outputs;
   graph.num_tensors = static_cast<uint32_t>(state.lifted_tensors.size());
   graph.keep_graph = state.keep_graph;
@@ -276,20 +295,13 @@ nb::object describe_backward(const BackwardState& state) {
     info.graph_output = ns.call.graph_output;
     info.is_accumulate_grad = ns.is_accumulate_grad;
     const NodeCall& call = ns.call;
-    for (const auto& [kind, count] :
-         {std::pair{"tensor_pre", call.tensor_pre_hooks.size()},
-          std::pair{"cpp_tensor_pre", call.cpp_tensor_pre_hooks.size()},
-          // A leaf's grad_fn hooks are not collected; see [Note: Leaf node hooks].
-          std::pair{"pre", ns.is_accumulate_grad ? ns.call.node->pre_hooks().size() : call.pre_hooks.size()},
-          std::pair{"post", ns.is_accumulate_grad ? ns.call.node->post_hooks().size() : call.post_hooks.size()},
-          std::pair{"post_acc_grad", call.post_acc_grad_hooks.size()},
-          std::pair{
-              "saved_tensor",
-              ns.collected ? ns.collected->sv_to_hooks.size() : size_t{0}}}) {
-      if (count > 0) {
-        info.hooks.emplace(kind, static_cast<uint32_t>(count));
-      }
-    }
+    info.sequence_nr = node.sequence_nr();
+    // A leaf's grad_fn hooks are not collected; see [Note: Leaf node hooks].
+    info.num_grad_fn_pre_hooks = static_cast<uint32_t>(
+        ns.is_accumulate_grad ? node.pre_hooks().size() : call.pre_hooks.size());
+    info.num_grad_fn_post_hooks = static_cast<uint32_t>(
+        ns.is_accumulate_grad ? node.post_hooks().size() : call.post_hooks.size());
+    info.num_post_acc_grad_hooks = static_cast<uint32_t>(call.post_acc_grad_hooks.size());
     info.size_offset = graph.num_sizes;
     info.scalar_offset = graph.num_scalars;
     if (ns.collected) {
@@ -314,11 +326,12 @@ nb::object describe_backward(const BackwardState& state) {
         const TensorPreHook& h = ns.tensor_pre_hooks[k];
         if (h.opaque != nullptr) {
           info.tensor_pre_hooks.push_back(
-              TensorPreHookInfo{"opaque", static_cast<uint32_t>(k), 0});
+              TensorPreHookInfo{TensorPreHookKind::opaque, static_cast<uint32_t>(k), 0});
           continue;
         }
         info.tensor_pre_hooks.push_back(TensorPreHookInfo{
-            h.retains_grad ? "retains_grad" : (h.is_cpp ? "cpp" : "python"),
+            h.retains_grad ? TensorPreHookKind::retains_grad
+                           : (h.is_cpp ? TensorPreHookKind::cpp : TensorPreHookKind::python),
             h.is_cpp ? h.hook_id : hook_offset + h.hook_id,
             h.input_nr});
       }
@@ -365,6 +378,11 @@ void register_describe(nb::module_& m) {
       .def_ro("symints", &FunctionInfo::symints)
       .def_ro("backward_state_hook", &FunctionInfo::backward_state_hook)
       .def_ro("opaque_hooks", &FunctionInfo::opaque_hooks);
+  nb::enum_<TensorPreHookKind>(m, "TensorPreHookKind", "Which kind of tensor pre-hook.")
+      .value("python", TensorPreHookKind::python, "Tensor.register_hook: traced.")
+      .value("cpp", TensorPreHookKind::cpp, "A C++ hook with compiled_args, called by id.")
+      .value("retains_grad", TensorPreHookKind::retains_grad, "retain_grad()'s hook.")
+      .value("opaque", TensorPreHookKind::opaque, "A C++ hook without compiled_args.");
   nb::class_<TensorPreHookInfo>(m, "TensorPreHookInfo", "One tensor pre-hook of a node.")
       .def_ro("kind", &TensorPreHookInfo::kind)
       .def_ro("hook", &TensorPreHookInfo::hook)
@@ -379,7 +397,10 @@ void register_describe(nb::module_& m) {
       .def_ro("needed", &NodeInfo::needed)
       .def_ro("graph_output", &NodeInfo::graph_output)
       .def_ro("is_accumulate_grad", &NodeInfo::is_accumulate_grad)
-      .def_ro("hooks", &NodeInfo::hooks)
+      .def_ro("sequence_nr", &NodeInfo::sequence_nr)
+      .def_ro("num_grad_fn_pre_hooks", &NodeInfo::num_grad_fn_pre_hooks)
+      .def_ro("num_grad_fn_post_hooks", &NodeInfo::num_grad_fn_post_hooks)
+      .def_ro("num_post_acc_grad_hooks", &NodeInfo::num_post_acc_grad_hooks)
       .def_ro("tensor_slots", &NodeInfo::tensor_slots)
       .def_ro("size_offset", &NodeInfo::size_offset)
       .def_ro("num_apply_sizes", &NodeInfo::num_apply_sizes)
@@ -408,7 +429,8 @@ void register_describe(nb::module_& m) {
       .def_ro("accumulate_grad", &BackwardGraph::accumulate_grad)
       .def_ro("dynamic_sizes", &BackwardGraph::dynamic_sizes)
       .def_ro("miss_node", &BackwardGraph::miss_node)
-      .def_ro("miss_reason", &BackwardGraph::miss_reason);
+      .def_ro("miss_reason", &BackwardGraph::miss_reason)
+      .def_ro("entry_id", &BackwardGraph::entry_id);
 }
 
 } // namespace ca

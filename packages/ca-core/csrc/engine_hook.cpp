@@ -14,6 +14,7 @@
 #include <nanobind/stl/vector.h>
 
 #include <algorithm>
+#include <chrono>
 #include <optional>
 
 namespace ca {
@@ -265,6 +266,291 @@ std::optional<Captured> unpack_capture(nb::handle result) {
   return out;
 }
 
+/*
+[Note: The steps of a backward]
+compiled_backward_with_gil runs one backward as five steps over a
+BackwardRun, each of which may end it early on the eager engine:
+  1. walk: walk_graph() keys every node and lifts its values; a node whose
+     compiled_args throws ends here (see [Note: Whose failure]).
+  2. lookup: the entry the walk ended at is failed (eager at once), holds a
+     graph for these sizes (a hit), or not (a miss); the graph's inputs are
+     lifted either way.
+  3. capture (a miss only): ca_runtime's capture() builds and compiles the
+     graph and the entry keeps it; a capture that fails runs eagerly and
+     marks the entry failed.
+  4. run: the compiled graph is called. Its first run is where lazy
+     compilers compile, and a failure there is judged by eager (see
+     [Note: Static when dynamic fails] and [Note: Whose failure]).
+  5. finish: the graph's outputs become the engine's outputs and the leaf
+     grads go through the real AccumulateGrad nodes, saved variables are
+     released and final callbacks run.
+Steps 3 and 4 run with the BackwardState active and the compiler interface
+installed once (see [Note: One compiler interface for all threads]). When
+timing is on (set_timing, for ca_runtime.report()), walk, run and finish are
+timed; when it is off, the hit path pays one relaxed atomic load.
+*/
+
+/// Nanoseconds spent per step, summed over the backwards timed; see
+/// [Note: The steps of a backward].
+struct Timings {
+  std::atomic<bool> enabled{false};
+  std::atomic<uint64_t> walk_ns{0};
+  std::atomic<uint64_t> run_ns{0};
+  std::atomic<uint64_t> finish_ns{0};
+  std::atomic<uint64_t> timed_backwards{0};
+};
+Timings g_timings;
+
+/// Adds the time of a scope to `sink` when timing is on.
+class StepTimer {
+ public:
+  explicit StepTimer(std::atomic<uint64_t>& sink)
+      : sink_(g_timings.enabled.load(std::memory_order_relaxed) ? &sink : nullptr) {
+    if (sink_ != nullptr) {
+      start_ = std::chrono::steady_clock::now();
+    }
+  }
+  ~StepTimer() {
+    if (sink_ != nullptr) {
+      const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+          std::chrono::steady_clock::now() - start_);
+      sink_->fetch_add(static_cast<uint64_t>(ns.count()), std::memory_order_relaxed);
+    }
+  }
+  StepTimer(const StepTimer&) = delete;
+  StepTimer& operator=(const StepTimer&) = delete;
+
+ private:
+  std::atomic<uint64_t>* sink_;
+  std::chrono::steady_clock::time_point start_;
+};
+
+/// One backward in flight through the hook; see [Note: The steps of a backward].
+struct BackwardRun {
+  BackwardRun(const c10::intrusive_ptr<Node>& root, const GraphTask& graph_task)
+      : root(root), graph_task(graph_task), runtime(g_runtime) {}
+  /// The engine's root node and task (the eager fallback runs them).
+  const c10::intrusive_ptr<Node>& root;
+  const GraphTask& graph_task;
+  /// The installed ca_runtime object (capture, run_first, report_fallback).
+  nb::handle runtime;
+  /// The walked backward.
+  BackwardStatePtr state;
+  /// The cache entry the walk ended at.
+  ShadowNode* entry = nullptr;
+  /// cache_generation() after the walk: Python code may clear the cache
+  /// meanwhile, and then `entry` is gone; see [Note: Cache and the GIL].
+  uint64_t generation = 0;
+  /// The graph's inputs.
+  GraphArgs args;
+  /// The graph to call and what it returns besides the engine's outputs.
+  nb::object compiled;
+  std::vector<uint32_t> leaf_outputs;
+  std::vector<bool> leaf_hooks_only;
+  /// The graph has not completed a run yet (lazy compilers compile now).
+  bool first_run = false;
+  /// Whether `entry` still exists.
+  bool entry_alive() const {
+    return cache_generation() == generation;
+  }
+  /// Runs the backward on the eager engine and counts it as a fallback.
+  variable_list eager() const {
+    ++g_counters.eager_fallbacks;
+    return run_eager(root, graph_task);
+  }
+};
+
+/// Step 1. Returns the outputs when the backward already ran eagerly.
+std::optional<variable_list> walk(
+    BackwardRun& run,
+    bool accumulate_grad,
+    const torch::autograd::edge_list& output_edges) {
+  StepTimer timer(g_timings.walk_ns);
+  const uint64_t walk_generation = cache_generation();
+  try {
+    run.state = walk_graph(*g_cache, run.root, run.graph_task, output_edges);
+  } catch (const WalkError& e) {
+    if (e.remembered) {
+      return run.eager();
+    }
+    // Eager first: its error is the user's; see [Note: Whose failure].
+    variable_list outputs = run_eager(run.root, run.graph_task);
+    if (cache_generation() == walk_generation) {
+      e.at->walk_failures.push_back(e.type);
+    }
+    report_fallback(e.node, e.what());
+    return outputs;
+  }
+  run.state->accumulate_grad = accumulate_grad;
+  run.state->create_graph = c10::GradMode::is_enabled();
+  run.entry = run.state->entry;
+  run.generation = cache_generation();
+  return std::nullopt;
+}
+
+/// Step 2: hit or miss. Returns the outputs when the entry failed before.
+std::optional<variable_list> lookup(BackwardRun& run) {
+  ShadowNode& entry = *run.entry;
+  if (entry.failed) {
+    return run.eager();
+  }
+  run.args = lift_args(*run.state);
+  if (!entry.compiled_fn.is_valid() || !sizes_match(entry, run.args.size_values)) {
+    explain_sizes(entry, run.args.size_values, *run.state);
+    return std::nullopt;
+  }
+  ++g_counters.cache_hits;
+  ++entry.hits;
+  run.compiled = entry.compiled_fn;
+  run.leaf_outputs = entry.leaf_outputs;
+  run.leaf_hooks_only = entry.leaf_hooks_only;
+  run.first_run = entry.first_run;
+  run.state->dynamic_sizes = entry.dynamic_sizes;
+  run.args.sizes = dynamic_size_args(run.state->dynamic_sizes, run.args.size_values);
+  return std::nullopt;
+}
+
+/// Step 3: captures the backward into its entry; false if the capture failed.
+bool capture(BackwardRun& run) {
+  BackwardState& state = *run.state;
+  choose_dynamic(*run.entry, run.args.size_values, state);
+  nb::object description = describe_backward(state, run.entry->id);
+  auto captured = unpack_capture(run.runtime.attr("capture")(description));
+  if (!captured) {
+    return false;
+  }
+  ++g_counters.captures;
+  run.compiled = std::move(captured->compiled);
+  run.leaf_outputs = std::move(captured->leaf_outputs);
+  run.leaf_hooks_only = std::move(captured->hooks_only);
+  if (run.entry_alive()) {
+    ShadowNode& entry = *run.entry;
+    entry.compiled_fn = run.compiled;
+    entry.leaf_outputs = run.leaf_outputs;
+    entry.leaf_hooks_only = run.leaf_hooks_only;
+    entry.expected_sizes = run.args.size_values;
+    entry.dynamic_sizes = state.dynamic_sizes;
+    entry.tensor_shapes = tensor_shapes(state);
+    entry.first_run = true;
+  }
+  run.first_run = true;
+  run.args.sizes = dynamic_size_args(state.dynamic_sizes, run.args.size_values);
+  return true;
+}
+
+/// The first call of a fresh graph, through the runtime's run_first; None if
+/// it failed for a reason that is not plainly the user's.
+nb::object call_first(BackwardRun& run) {
+  return run.runtime.attr("run_first")(
+      run.compiled,
+      run.args.tensors,
+      run.args.sizes,
+      run.args.scalars,
+      run.args.hooks,
+      run.state->dynamic_dims);
+}
+
+/// Step 4: calls the graph into `result`. Returns the outputs when its first
+/// run failed and the backward ran eagerly instead.
+std::optional<variable_list> run_graph(BackwardRun& run, nb::object& result) {
+  StepTimer timer(g_timings.run_ns);
+  if (!run.first_run) {
+    result = nb::steal(check_py(PyObject_CallFunctionObjArgs(
+        run.compiled.ptr(),
+        run.args.tensors.ptr(),
+        run.args.sizes.ptr(),
+        run.args.scalars.ptr(),
+        run.args.hooks.ptr(),
+        nullptr)));
+    return std::nullopt;
+  }
+  // A failure of a fresh graph is a compile failure: the runtime warns and
+  // returns None, and the backward runs eagerly. An exception raised by user
+  // code (a hook, a Function's backward) propagates instead; see
+  // [Note: Capture methods].
+  result = call_first(run);
+  const BackwardState& state = *run.state;
+  const bool had_dynamic = !state.dynamic_dims.empty() ||
+      std::find(state.dynamic_sizes.begin(), state.dynamic_sizes.end(), true) !=
+          state.dynamic_sizes.end();
+  if (result.is_none() && had_dynamic && run.entry_alive()) {
+    // See [Note: Static when dynamic fails].
+    run.entry->static_sizes = true;
+    if (capture(run)) {
+      result = call_first(run);
+    }
+    if (result.is_none() && run.entry_alive()) {
+      // Static sizes did not help either: not a failure of dynamic sizes
+      // (a user's error, or one of ours), so the entry is left as it was.
+      run.entry->static_sizes = false;
+    }
+  }
+  if (result.is_none()) {
+    // Eager decides whose failure it was: an error it raises too is the
+    // user's and leaves the entry as it is; see [Note: Whose failure].
+    variable_list eager_outputs = run_eager(run.root, run.graph_task);
+    report_fallback(
+        "compiled graph", nb::cast<std::string>(nb::str(run.runtime.attr("last_failure"))));
+    if (run.entry_alive()) {
+      mark_failed(*run.entry, run.runtime);
+      run.entry->compiled_fn = nb::object();
+    }
+    return eager_outputs;
+  }
+  if (run.entry_alive()) {
+    run.entry->first_run = false;
+  }
+  return std::nullopt;
+}
+
+/// Step 5: the engine's outputs from the graph's `result`; leaf grads
+/// accumulated, saved variables released, final callbacks run.
+variable_list finish(BackwardRun& run, nb::object result) {
+  StepTimer timer(g_timings.finish_ns);
+  // Drop our Python references to the inputs before accumulating so that
+  // AccumulateGrad can steal fresh grads as eager does.
+  run.args = GraphArgs();
+  BackwardState& state = *run.state;
+  variable_list outputs;
+  variable_list leaf_grads;
+  {
+    PyObject* seq = check_py(PySequence_Fast(result.ptr(), "compiled backward must return a sequence"));
+    nb::object holder = nb::steal(seq);
+    result = nb::object();
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    TORCH_CHECK(
+        static_cast<size_t>(n) >= state.num_outputs,
+        "ca_core: compiled backward returned ",
+        n,
+        " values, expected at least ",
+        state.num_outputs);
+    PyObject** items = PySequence_Fast_ITEMS(seq);
+    outputs.reserve(state.num_outputs);
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      at::Tensor t = unpack_tensor(items[i], "compiled backward output");
+      if (static_cast<size_t>(i) < state.num_outputs) {
+        outputs.emplace_back(std::move(t));
+      } else {
+        leaf_grads.emplace_back(std::move(t));
+      }
+    }
+  }
+  // Eager runs leaf nodes, their hooks and the final callbacks without the
+  // GIL: a callback (DDP's finalize_backward) may wait for a thread that
+  // needs it. See [Note: Final callbacks].
+  nb::gil_scoped_release no_gil;
+  accumulate_leaf_grads(state, run.leaf_outputs, run.leaf_hooks_only, leaf_grads);
+  if (!state.keep_graph) {
+    for (auto& ns : state.nodes) {
+      if (ns.call.needed) {
+        ns.call.node->release_variables();
+      }
+    }
+  }
+  run_final_callbacks(const_cast<GraphTask&>(run.graph_task));
+  return outputs;
+}
+
 variable_list compiled_backward_with_gil(
     const c10::intrusive_ptr<Node>& root,
     const GraphTask& graph_task,
@@ -282,194 +568,30 @@ variable_list compiled_backward_with_gil(
     return run_eager(root, graph_task);
   }
   DepthGuard depth;
-
-  BackwardStatePtr state;
-  const uint64_t walk_generation = cache_generation();
-  try {
-    state = walk_graph(*g_cache, root, graph_task, output_edges);
-  } catch (const WalkError& e) {
-    if (e.remembered) {
-      ++g_counters.eager_fallbacks;
-      return run_eager(root, graph_task);
-    }
-    // Eager first: its error is the user's; see [Note: Whose failure].
-    variable_list outputs = run_eager(root, graph_task);
-    if (cache_generation() == walk_generation) {
-      e.at->walk_failures.push_back(e.type);
-    }
-    report_fallback(e.node, e.what());
-    return outputs;
+  if (g_timings.enabled.load(std::memory_order_relaxed)) {
+    ++g_timings.timed_backwards;
   }
-  state->accumulate_grad = accumulate_grad;
-  state->create_graph = c10::GradMode::is_enabled();
-  ShadowNode* entry = state->entry;
-  // Python code below may clear the cache; see [Note: Cache and the GIL].
-  const uint64_t generation = cache_generation();
-  auto entry_alive = [&] { return cache_generation() == generation; };
-  if (entry->failed) {
-    ++g_counters.eager_fallbacks;
-    return run_eager(root, graph_task);
+  // See [Note: The steps of a backward].
+  BackwardRun run(root, graph_task);
+  if (auto done = walk(run, accumulate_grad, output_edges)) {
+    return std::move(*done);
   }
-
-  GraphArgs args = lift_args(*state);
-  nb::handle runtime(g_runtime);
-  const bool hit = entry->compiled_fn.is_valid() &&
-      sizes_match(*entry, args.size_values);
-  nb::object compiled;
-  std::vector<uint32_t> leaf_outputs;
-  std::vector<bool> leaf_hooks_only;
-  bool first_run = false;
-  // capture() may probe nodes and the graph runs them: both need the state,
-  // and the compiler interface installed once for the whole run rather than
-  // per node (see [Note: One compiler interface for all threads]).
-  ScopedSlot<BackwardState> active(active_backward(), state.get());
+  if (auto done = lookup(run)) {
+    return std::move(*done);
+  }
+  ScopedSlot<BackwardState> active(active_backward(), run.state.get());
   InterfaceScope interface;
-  if (hit) {
-    ++g_counters.cache_hits;
-    ++entry->hits;
-    compiled = entry->compiled_fn;
-    leaf_outputs = entry->leaf_outputs;
-    leaf_hooks_only = entry->leaf_hooks_only;
-    first_run = entry->first_run;
-    state->dynamic_sizes = entry->dynamic_sizes;
+  if (!run.compiled.is_valid() && !capture(run)) {
+    if (run.entry_alive()) {
+      mark_failed(*run.entry, run.runtime);
+    }
+    return run.eager();
   }
-  // Captures this backward into the entry; false if the capture failed.
-  auto capture = [&]() -> bool {
-    choose_dynamic(*entry, args.size_values, *state);
-    nb::object description = describe_backward(*state);
-    auto captured = unpack_capture(runtime.attr("capture")(description));
-    if (!captured) {
-      return false;
-    }
-    ++g_counters.captures;
-    compiled = std::move(captured->compiled);
-    leaf_outputs = std::move(captured->leaf_outputs);
-    leaf_hooks_only = std::move(captured->hooks_only);
-    if (entry_alive()) {
-      entry->compiled_fn = compiled;
-      entry->leaf_outputs = leaf_outputs;
-      entry->leaf_hooks_only = leaf_hooks_only;
-      entry->expected_sizes = args.size_values;
-      entry->dynamic_sizes = state->dynamic_sizes;
-      entry->tensor_shapes = tensor_shapes(*state);
-      entry->first_run = true;
-    }
-    first_run = true;
-    return true;
-  };
-  if (!hit) {
-    explain_sizes(*entry, args.size_values, *state);
-    if (!capture()) {
-      if (entry_alive()) {
-        mark_failed(*entry, runtime);
-      }
-      ++g_counters.eager_fallbacks;
-      return run_eager(root, graph_task);
-    }
-  }
-  args.sizes = dynamic_size_args(state->dynamic_sizes, args.size_values);
-
   nb::object result;
-  {
-    if (first_run) {
-      // A failure of a fresh graph is a compile failure: the runtime warns and
-      // returns None, and the backward runs eagerly. An exception raised by
-      // user code (a hook, a Function's backward) propagates instead; see
-      // [Note: Capture methods].
-      auto run_first = [&] {
-        return runtime.attr("run_first")(
-            compiled,
-            args.tensors,
-            args.sizes,
-            args.scalars,
-            args.hooks,
-            state->dynamic_dims);
-      };
-      result = run_first();
-      const bool had_dynamic = !state->dynamic_dims.empty() ||
-          std::find(state->dynamic_sizes.begin(), state->dynamic_sizes.end(), true) !=
-              state->dynamic_sizes.end();
-      if (result.is_none() && had_dynamic && entry_alive()) {
-        // See [Note: Static when dynamic fails].
-        entry->static_sizes = true;
-        if (capture()) {
-          args.sizes = dynamic_size_args(state->dynamic_sizes, args.size_values);
-          result = run_first();
-        }
-        if (result.is_none() && entry_alive()) {
-          // Static sizes did not help either: not a failure of dynamic sizes
-          // (a user's error, or one of ours), so the entry is left as it was.
-          entry->static_sizes = false;
-        }
-      }
-      if (result.is_none()) {
-        // Eager decides whose failure it was: an error it raises too is the
-        // user's and leaves the entry as it is; see [Note: Whose failure].
-        variable_list eager_outputs = run_eager(root, graph_task);
-        report_fallback("compiled graph", nb::cast<std::string>(nb::str(runtime.attr("last_failure"))));
-        if (entry_alive()) {
-          mark_failed(*entry, runtime);
-          entry->compiled_fn = nb::object();
-        }
-        return eager_outputs;
-      }
-      if (entry_alive()) {
-        entry->first_run = false;
-      }
-    } else {
-      result = nb::steal(check_py(PyObject_CallFunctionObjArgs(
-          compiled.ptr(),
-          args.tensors.ptr(),
-          args.sizes.ptr(),
-          args.scalars.ptr(),
-          args.hooks.ptr(),
-          nullptr)));
-    }
+  if (auto done = run_graph(run, result)) {
+    return std::move(*done);
   }
-  // Drop our Python references to the inputs before accumulating so that
-  // AccumulateGrad can steal fresh grads as eager does.
-  args = GraphArgs();
-
-  variable_list outputs;
-  variable_list leaf_grads;
-  {
-    PyObject* seq = check_py(PySequence_Fast(result.ptr(), "compiled backward must return a sequence"));
-    nb::object holder = nb::steal(seq);
-    result = nb::object();
-    const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    TORCH_CHECK(
-        static_cast<size_t>(n) >= state->num_outputs,
-        "ca_core: compiled backward returned ",
-        n,
-        " values, expected at least ",
-        state->num_outputs);
-    PyObject** items = PySequence_Fast_ITEMS(seq);
-    outputs.reserve(state->num_outputs);
-    for (Py_ssize_t i = 0; i < n; ++i) {
-      at::Tensor t = unpack_tensor(items[i], "compiled backward output");
-      if (static_cast<size_t>(i) < state->num_outputs) {
-        outputs.emplace_back(std::move(t));
-      } else {
-        leaf_grads.emplace_back(std::move(t));
-      }
-    }
-  }
-  {
-    // Eager runs leaf nodes, their hooks and the final callbacks without the
-    // GIL: a callback (DDP's finalize_backward) may wait for a thread that
-    // needs it. See [Note: Final callbacks].
-    nb::gil_scoped_release no_gil;
-    accumulate_leaf_grads(*state, leaf_outputs, leaf_hooks_only, leaf_grads);
-    if (!state->keep_graph) {
-      for (auto& ns : state->nodes) {
-        if (ns.call.needed) {
-          ns.call.node->release_variables();
-        }
-      }
-    }
-    run_final_callbacks(const_cast<GraphTask&>(graph_task));
-  }
-  return outputs;
+  return finish(run, std::move(result));
 }
 
 /// The function installed in the engine. A Python exception (a user hook's)
@@ -587,8 +709,30 @@ void register_engine_hook(nb::module_& m) {
         g_counters.captures = 0;
         g_counters.cache_hits = 0;
         g_counters.eager_fallbacks = 0;
+        g_timings.walk_ns = 0;
+        g_timings.run_ns = 0;
+        g_timings.finish_ns = 0;
+        g_timings.timed_backwards = 0;
       },
-      "Sets every counter to zero.");
+      "Sets every counter and timing to zero.");
+  m.def(
+      "set_timing",
+      [](bool enabled) { g_timings.enabled = enabled; },
+      nb::arg("enabled"),
+      "Times the walk, run and finish steps of every backward (off by default); "
+      "see [Note: The steps of a backward].");
+  m.def(
+      "timings",
+      []() {
+        nb::dict d;
+        d["walk_ns"] = g_timings.walk_ns.load();
+        d["run_ns"] = g_timings.run_ns.load();
+        d["finish_ns"] = g_timings.finish_ns.load();
+        d["timed_backwards"] = g_timings.timed_backwards.load();
+        return d;
+      },
+      "walk_ns, run_ns, finish_ns (summed) and timed_backwards since the last "
+      "reset_counters(), while set_timing(True).");
 }
 
 } // namespace ca

@@ -2,6 +2,7 @@
 // computes each node's cache key and lifted values, and follows those keys
 // down the shadow-graph cache (shadow_cache.cpp).
 #include "ca_core.h"
+#include "torch_private.h"
 
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
 
@@ -239,8 +240,7 @@ void collect_node_call(CompiledNodeArgs& args, NodeState& ns, Node* fn) {
     } catch (const c10::NotImplementedError& e) {
       // FunctionPreHook's default compiled_args throws before collecting
       // anything; such a hook is called whole, eagerly.
-      if (std::string_view(e.what_without_backtrace())
-              .rfind("compiled_args nyi", 0) != 0) {
+      if (!torch_private::is_compiled_args_nyi(e)) {
         throw;
       }
       ns.tensor_pre_hooks.push_back(TensorPreHook{true, false, 0, 0, hook.get()});
@@ -304,168 +304,207 @@ void RecycleBackwardState::operator()(BackwardState* state) const {
   }
 }
 
-BackwardStatePtr walk_graph(
-    ShadowNode& cache_root,
-    const c10::intrusive_ptr<Node>& root,
-    const GraphTask& graph_task,
-    const torch::autograd::edge_list& output_edges) {
-  BackwardStatePtr state = new_backward_state();
-  state->num_outputs = output_edges.size();
-  state->keep_graph = graph_task.keep_graph_;
+namespace {
 
-  const auto& exec_info = graph_task.exec_info_;
-  const bool check_exec_info = !exec_info.empty();
-  const size_t expected_nodes =
-      check_exec_info ? exec_info.size() : graph_task.dependencies_.size() + 1;
-  state->nodes.reserve(expected_nodes);
+/*
+[Note: The walk's steps]
+GraphWalk visits the nodes of one backward in eager's order (a heap of ready
+nodes, highest sequence_nr first). Per node it:
+  1. visit: appends its NodeState (graph outputs, whether it is needed);
+  2. collect: runs collect_node_call and the node's compiled_args into the
+     node's own AutogradCompilerCall (see [Note: Per-node collection]),
+     lifting its tensors into graph-wide slots (see [Note: Lifted tensor
+     de-duplication]) and keying its next edges;
+  3. descend: follows the node's key one level down the cache tree,
+     explaining the first new key (see [Note: Explained misses]);
+  4. release: counts down its next nodes' dependencies, pushing those now
+     ready.
+The GraphTask stays untouched (dependencies are counted in the walk's own
+scratch), so an eager fallback can still run it.
+*/
+class GraphWalk {
+ public:
+  GraphWalk(
+      ShadowNode& cache_root,
+      const c10::intrusive_ptr<Node>& root,
+      const GraphTask& graph_task,
+      const torch::autograd::edge_list& output_edges)
+      : root_(root),
+        graph_task_(graph_task),
+        output_edges_(output_edges),
+        exec_info_(graph_task.exec_info_),
+        check_exec_info_(!exec_info_.empty()),
+        // The walk does not run Python or nest, but a private scratch keeps
+        // it correct if it ever did.
+        scratch_(t_scratch.in_use ? private_scratch_ : t_scratch),
+        cache_(&cache_root) {
+    scratch_.in_use = true;
+    state_ = new_backward_state();
+    state_->num_outputs = output_edges.size();
+    state_->keep_graph = graph_task.keep_graph_;
+    const size_t expected_nodes = check_exec_info_ ? exec_info_.size()
+                                                   : graph_task.dependencies_.size() + 1;
+    state_->nodes.reserve(expected_nodes);
+    scratch_.nodes.clear(expected_nodes);
+    scratch_.slots.clear(expected_nodes);
+    scratch_.ready.clear();
+  }
+  ~GraphWalk() {
+    scratch_.in_use = false;
+  }
+  GraphWalk(const GraphWalk&) = delete;
+  GraphWalk& operator=(const GraphWalk&) = delete;
 
-  // The walk does not run Python or nest, but a private scratch keeps it
-  // correct if it ever did.
-  WalkScratch private_scratch;
-  WalkScratch& scratch = t_scratch.in_use ? private_scratch : t_scratch;
-  scratch.in_use = true;
-  struct Release {
-    WalkScratch& s;
-    ~Release() {
-      s.in_use = false;
+  /// Walks every node; throws WalkError when a node's compiled_args throws.
+  BackwardStatePtr run() {
+    push_ready(root_.get());
+    id_of(root_.get());
+    while (!scratch_.ready.empty()) {
+      std::pop_heap(scratch_.ready.begin(), scratch_.ready.end(), LaterSequenceFirst{});
+      Node* fn = scratch_.ready.back();
+      scratch_.ready.pop_back();
+      const auto walk_idx = static_cast<uint32_t>(state_->nodes.size());
+      NodeState& ns = visit(fn);
+      try {
+        for (const auto& failed : cache_->walk_failures) {
+          if (failed == std::type_index(typeid(*fn))) {
+            throw WalkError(fn->name(), "collection failed before on this path", true, cache_, typeid(*fn));
+          }
+        }
+        CompiledNodeArgs args(*ns.collected, ns.call);
+        collect(args, ns, fn);
+        descend(args.key(), ns, fn, walk_idx);
+      } catch (const WalkError&) {
+        throw;
+      } catch (const c10::Error& e) {
+        // Remembered by the engine hook only if it was ours; see [Note: Whose failure].
+        throw WalkError(fn->name(), e.what_without_backtrace(), false, cache_, typeid(*fn));
+      } catch (const std::exception& e) {
+        throw WalkError(fn->name(), e.what(), false, cache_, typeid(*fn));
+      }
+      release(fn);
     }
-  } release{scratch};
-  // Graph-wide ids in discovery order (see [Note: Cache key]) and the
-  // dependencies left per node: the GraphTask is const and stays untouched so
-  // that an eager fallback can still run it.
-  scratch.nodes.clear(expected_nodes);
-  uint32_t next_id = 0;
-  auto id_of = [&](Node* fn) {
-    NodeMark& mark = *scratch.nodes.try_emplace(fn).first;
+    state_->entry = cache_;
+    return std::move(state_);
+  }
+
+ private:
+  /// The node's graph-wide id (discovery order); see [Note: Cache key].
+  uint32_t id_of(Node* fn) {
+    NodeMark& mark = *scratch_.nodes.try_emplace(fn).first;
     if (mark.id == NodeMark::kNoId) {
-      mark.id = next_id++;
+      mark.id = next_id_++;
     }
     return mark.id;
-  };
-  // Graph-input slot of each distinct lifted tensor; see [Note: Lifted tensor de-duplication].
-  scratch.slots.clear(expected_nodes);
+  }
 
-  // Ready nodes as a heap in the scratch's reused buffer.
-  std::vector<Node*>& ready = scratch.ready;
-  ready.clear();
-  auto push_ready = [&](Node* fn) {
-    ready.push_back(fn);
-    std::push_heap(ready.begin(), ready.end(), LaterSequenceFirst{});
-  };
-  push_ready(root.get());
-  id_of(root.get());
+  void push_ready(Node* fn) {
+    scratch_.ready.push_back(fn);
+    std::push_heap(scratch_.ready.begin(), scratch_.ready.end(), LaterSequenceFirst{});
+  }
 
-  ShadowNode* cache = &cache_root;
-  while (!ready.empty()) {
-    std::pop_heap(ready.begin(), ready.end(), LaterSequenceFirst{});
-    Node* fn = ready.back();
-    ready.pop_back();
-    const auto walk_idx = static_cast<uint32_t>(state->nodes.size());
-    NodeState& ns = state->nodes.emplace_back(
+  /// The graph-input slot of `t`, given on first use; see [Note: Lifted tensor de-duplication].
+  uint32_t slot_of(const at::Tensor& t) {
+    auto [slot, inserted] = scratch_.slots.try_emplace(t.unsafeGetTensorImpl());
+    if (inserted) {
+      *slot = static_cast<uint32_t>(state_->lifted_tensors.size());
+      state_->lifted_tensors.push_back(t);
+    }
+    return *slot;
+  }
+
+  /// Step 1.
+  NodeState& visit(Node* fn) {
+    NodeState& ns = state_->nodes.emplace_back(
         id_of(fn), c10::intrusive_ptr<Node>::reclaim_copy(fn));
     NodeCall& call = ns.call;
-    if (check_exec_info && fn != root.get()) {
-      call.needed = exec_info.at(fn).needed_;
+    if (check_exec_info_ && fn != root_.get()) {
+      call.needed = exec_info_.at(fn).needed_;
     }
-    for (size_t i = 0; i < output_edges.size(); ++i) {
-      if (output_edges[i].function.get() == fn) {
+    for (size_t i = 0; i < output_edges_.size(); ++i) {
+      if (output_edges_[i].function.get() == fn) {
         call.mark_output(
-            static_cast<int>(output_edges[i].input_nr), static_cast<int>(i));
+            static_cast<int>(output_edges_[i].input_nr), static_cast<int>(i));
       }
     }
     ns.is_accumulate_grad = typeid(*fn) == typeid(AccumulateGrad);
-    ns.collected =
-        std::make_unique<AutogradCompilerCall>(SizeInput::STATIC);
+    ns.collected = std::make_unique<AutogradCompilerCall>(SizeInput::STATIC);
+    return ns;
+  }
 
-    try {
-      for (const auto& failed : cache->walk_failures) {
-        if (failed == std::type_index(typeid(*fn))) {
-          throw WalkError(fn->name(), "collection failed before on this path", true, cache, typeid(*fn));
-        }
-      }
-      CompiledNodeArgs args(*ns.collected, call);
-      collect_node_call(args, ns, fn);
-      if (args.cond(call.needed)) {
-        fn->compiled_args(args);
-        // Saved tensors with unpack hooks are not lifted; their number matters.
-        args.collect_size(ns.collected->sv_to_hooks.size());
-        ns.num_apply_sizes =
-            static_cast<uint32_t>(ns.collected->all_size_inputs.size());
-        // A leaf without grad_fn pre-hooks, and without C++ post hooks unless
-        // it has post-accumulate-grad hooks, lifts its variable: the graph may
-        // accumulate it at its eager position; see [Note: Leaves accumulated
-        // in the graph].
-        const bool lifts_variable = ns.is_accumulate_grad && fn->pre_hooks().empty() &&
-            (fn->post_hooks().empty() || !call.post_acc_grad_hooks.empty()) &&
-            !ns.collected->tensor_args.inputs.empty();
-        if (lifts_variable) {
-          const at::Tensor& variable = ns.collected->tensor_args.inputs.front();
-          auto [slot, inserted] = scratch.slots.try_emplace(variable.unsafeGetTensorImpl());
-          if (inserted) {
-            *slot = static_cast<uint32_t>(state->lifted_tensors.size());
-            state->lifted_tensors.push_back(variable);
-          }
-          ns.tensor_slots.push_back(*slot);
-          args.collect_size(*slot);
-          state->leaf_hooks_in_graph |= !call.post_acc_grad_hooks.empty();
-        }
-        if (!ns.is_accumulate_grad) {
-          const auto& tensors = ns.collected->tensor_args.inputs;
-          ns.tensor_slots.reserve(tensors.size());
-          for (const auto& t : tensors) {
-            auto [slot, inserted] = scratch.slots.try_emplace(t.unsafeGetTensorImpl());
-            if (inserted) {
-              *slot = static_cast<uint32_t>(state->lifted_tensors.size());
-              state->lifted_tensors.push_back(t);
-            }
-            ns.tensor_slots.push_back(*slot);
-            args.collect_size(*slot);
-          }
-        }
-        for (const auto& edge : fn->next_edges()) {
-          if (args.cond(edge.is_valid())) {
-            args.collect_size(id_of(edge.function.get()));
-            args.collect_size(edge.input_nr);
-            args.collect(edge.function->input_metadata(edge.input_nr));
-          }
-        }
-      }
-      const CacheKey key = args.key();
-      bool created = false;
-      ShadowNode* parent = cache;
-      cache = parent->lookup(key, created);
-      if (created) {
-        cache->summary = summarize(ns, fn);
-        if (state->miss_node < 0 && parent->next.size() > 1) {
-          state->miss_node = walk_idx;
-          state->miss_reason =
-              explain_new_key(*parent, cache, key, *cache->summary);
-        }
-      }
-    } catch (const WalkError&) {
-      throw;
-    } catch (const c10::Error& e) {
-      // Remembered by the engine hook only if it was ours; see [Note: Whose failure].
-      throw WalkError(fn->name(), e.what_without_backtrace(), false, cache, typeid(*fn));
-    } catch (const std::exception& e) {
-      throw WalkError(fn->name(), e.what(), false, cache, typeid(*fn));
+  /// Step 2.
+  void collect(CompiledNodeArgs& args, NodeState& ns, Node* fn) {
+    NodeCall& call = ns.call;
+    collect_node_call(args, ns, fn);
+    if (!args.cond(call.needed)) {
+      return;
     }
+    fn->compiled_args(args);
+    // Saved tensors with unpack hooks are not lifted; their number matters.
+    args.collect_size(ns.collected->sv_to_hooks.size());
+    ns.num_apply_sizes = static_cast<uint32_t>(ns.collected->all_size_inputs.size());
+    // A leaf without grad_fn pre-hooks, and without C++ post hooks unless it
+    // has post-accumulate-grad hooks, lifts its variable: the graph may
+    // accumulate it at its eager position; see [Note: Leaves accumulated in
+    // the graph].
+    const bool lifts_variable = ns.is_accumulate_grad && fn->pre_hooks().empty() &&
+        (fn->post_hooks().empty() || !call.post_acc_grad_hooks.empty()) &&
+        !ns.collected->tensor_args.inputs.empty();
+    if (lifts_variable) {
+      const uint32_t slot = slot_of(ns.collected->tensor_args.inputs.front());
+      ns.tensor_slots.push_back(slot);
+      args.collect_size(slot);
+      state_->leaf_hooks_in_graph |= !call.post_acc_grad_hooks.empty();
+    }
+    if (!ns.is_accumulate_grad) {
+      const auto& tensors = ns.collected->tensor_args.inputs;
+      ns.tensor_slots.reserve(tensors.size());
+      for (const auto& t : tensors) {
+        const uint32_t slot = slot_of(t);
+        ns.tensor_slots.push_back(slot);
+        args.collect_size(slot);
+      }
+    }
+    for (const auto& edge : fn->next_edges()) {
+      if (args.cond(edge.is_valid())) {
+        args.collect_size(id_of(edge.function.get()));
+        args.collect_size(edge.input_nr);
+        args.collect(edge.function->input_metadata(edge.input_nr));
+      }
+    }
+  }
 
+  /// Step 3.
+  void descend(const CacheKey& key, const NodeState& ns, Node* fn, uint32_t walk_idx) {
+    bool created = false;
+    ShadowNode* parent = cache_;
+    cache_ = parent->lookup(key, created);
+    if (created) {
+      cache_->summary = summarize(ns, fn);
+      if (state_->miss_node < 0 && parent->next.size() > 1) {
+        state_->miss_node = walk_idx;
+        state_->miss_reason = explain_new_key(*parent, cache_, key, *cache_->summary);
+      }
+    }
+  }
+
+  /// Step 4.
+  void release(Node* fn) {
     for (const auto& edge : fn->next_edges()) {
       if (!edge.is_valid()) {
         continue;
       }
       Node* next = edge.function.get();
-      if (check_exec_info) {
-        auto it = exec_info.find(next);
-        if (it == exec_info.end() || !it->second.should_execute()) {
+      if (check_exec_info_) {
+        auto it = exec_info_.find(next);
+        if (it == exec_info_.end() || !it->second.should_execute()) {
           continue;
         }
       }
-      NodeMark& mark = *scratch.nodes.try_emplace(next).first;
+      NodeMark& mark = *scratch_.nodes.try_emplace(next).first;
       if (!mark.counted) {
-        auto dep = graph_task.dependencies_.find(next);
-        TORCH_INTERNAL_ASSERT(dep != graph_task.dependencies_.end());
+        auto dep = graph_task_.dependencies_.find(next);
+        TORCH_INTERNAL_ASSERT(dep != graph_task_.dependencies_.end());
         mark.remaining = dep->second;
         mark.counted = true;
       }
@@ -474,8 +513,31 @@ BackwardStatePtr walk_graph(
       }
     }
   }
-  state->entry = cache;
-  return state;
+
+  const c10::intrusive_ptr<Node>& root_;
+  const GraphTask& graph_task_;
+  const torch::autograd::edge_list& output_edges_;
+  const decltype(GraphTask::exec_info_)& exec_info_;
+  /// backward(inputs=) / autograd.grad: only nodes in exec_info run.
+  const bool check_exec_info_;
+  WalkScratch private_scratch_;
+  WalkScratch& scratch_;
+  /// The walked state being built.
+  BackwardStatePtr state_;
+  /// The cache node the walk has reached.
+  ShadowNode* cache_;
+  uint32_t next_id_ = 0;
+};
+
+} // namespace
+
+BackwardStatePtr walk_graph(
+    ShadowNode& cache_root,
+    const c10::intrusive_ptr<Node>& root,
+    const GraphTask& graph_task,
+    const torch::autograd::edge_list& output_edges) {
+  // See [Note: The walk's steps].
+  return GraphWalk(cache_root, root, graph_task, output_edges).run();
 }
 
 void register_graph_walk(nb::module_& /*m*/) {

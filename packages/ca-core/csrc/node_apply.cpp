@@ -3,6 +3,7 @@
 // are the calls a captured FX graph is made of. Swapping and applying only:
 // what capture() is told about a backward is describe.cpp's.
 #include "ca_core.h"
+#include "torch_private.h"
 #include "tensor_caster.h"
 
 #include <ATen/PythonTorchFunctionTLS.h>
@@ -164,54 +165,6 @@ struct ProxyValues {
   AutogradCompilerCall& collected_;
 };
 
-/*
-[Note: Restoring a failed swap]
-A generated node's apply_with_saved calls SwapSavedVariables::before() on
-each saved value, runs its backward, then after() on each: plain calls, not
-RAII. When the backward throws in between -- typically while Dynamo runs it
-on FakeTensors and an op rejects them, after which Dynamo graph-breaks and
-runs it for real -- the node is left holding the swapped-in values
-(FakeTensors) for good: a retained graph's next backward, or the eager
-fallback, would then compute with them. torch keeps the values to restore in
-SwapSavedVariables' private stashes; restore_stashed reaches them through the
-one access route C++ leaves to private members (an explicit template
-instantiation may name them) and puts every value back.
-*/
-template <typename Tag, auto Member>
-struct PrivateMember {
-  friend auto member_of(Tag) {
-    return Member;
-  }
-};
-#define CA_PRIVATE_STASH(TAG, MEMBER)      \
-  struct TAG {                             \
-    friend auto member_of(TAG);            \
-  };                                       \
-  template struct PrivateMember<TAG, &SwapSavedVariables::MEMBER>;
-CA_PRIVATE_STASH(StashedVariables, stashed_variables)
-CA_PRIVATE_STASH(StashedTensors, stashed_tensors)
-CA_PRIVATE_STASH(StashedSymInts, stashed_symints)
-CA_PRIVATE_STASH(StashedIValues, stashed_ivalues)
-#undef CA_PRIVATE_STASH
-
-template <typename Stash>
-void put_back(Stash& stash) {
-  for (auto& [key, stashed] : stash) {
-    using T = std::remove_const_t<std::remove_pointer_t<std::remove_cvref_t<decltype(key)>>>;
-    *const_cast<T*>(key) = std::move(stashed.prior_value);
-  }
-  stash.clear();
-}
-
-/// Puts back every value `swap` swapped in and did not restore; see
-/// [Note: Restoring a failed swap].
-void restore_stashed(SwapSavedVariables& swap) {
-  put_back(swap.*member_of(StashedVariables{}));
-  put_back(swap.*member_of(StashedTensors{}));
-  put_back(swap.*member_of(StashedSymInts{}));
-  put_back(swap.*member_of(StashedIValues{}));
-}
-
 /// Runs `ns`'s node on `grads` with its saved tensors replaced by `tensors`,
 /// its lifted scalars by `scalars` (an invalid handle keeps its own) and its
 /// compiled_args sizes by `sizes`; see [Note: Proxy values].
@@ -239,7 +192,7 @@ variable_list run_with_values(
   try {
     return ns.call.node->apply_with_saved(grads, swap);
   } catch (...) {
-    restore_stashed(swap);
+    torch_private::restore_swap_stashes(swap);
     throw;
   }
 }

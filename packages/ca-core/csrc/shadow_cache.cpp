@@ -10,6 +10,7 @@
 #include <atomic>
 
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 namespace ca {
 
@@ -401,7 +402,85 @@ nb::list dynamic_size_args(
   return out;
 }
 
+uint64_t next_shadow_node_id() {
+  static std::atomic<uint64_t> next{1};
+  return next.fetch_add(1, std::memory_order_relaxed);
+}
+
+namespace {
+
+/// One node of the cache as cache_tree() shows it (a plain copy).
+struct CacheTreeNode {
+  /// ShadowNode::id.
+  uint64_t id = 0;
+  /// The parent's id, or -1 for a compiler's root.
+  int64_t parent = -1;
+  /// The compiler key of the tree ("backend:aot_eager", "callable:ID").
+  std::string compiler;
+  /// Name of the autograd node whose key leads here ("" for a root).
+  std::string node_name;
+  /// Backwards served by this node's graph.
+  uint64_t hits = 0;
+  /// Holds a compiled graph (the walk of some backward ended here).
+  bool has_graph = false;
+  /// Capture or first run failed here.
+  bool failed = false;
+  /// Why it failed, or "".
+  std::string failure;
+  /// Size inputs of its backward, and how many of them are dynamic.
+  uint32_t num_sizes = 0;
+  uint32_t num_dynamic_sizes = 0;
+  /// Sizes stay static; see [Note: Static when dynamic fails].
+  bool static_sizes = false;
+};
+
+} // namespace
+
 void register_shadow_cache(nb::module_& m) {
+  nb::class_<CacheTreeNode>(m, "CacheTreeNode", "One node of the shadow-graph cache (cache_tree()).")
+      .def_ro("id", &CacheTreeNode::id)
+      .def_ro("parent", &CacheTreeNode::parent)
+      .def_ro("compiler", &CacheTreeNode::compiler)
+      .def_ro("node_name", &CacheTreeNode::node_name)
+      .def_ro("hits", &CacheTreeNode::hits)
+      .def_ro("has_graph", &CacheTreeNode::has_graph)
+      .def_ro("failed", &CacheTreeNode::failed)
+      .def_ro("failure", &CacheTreeNode::failure)
+      .def_ro("num_sizes", &CacheTreeNode::num_sizes)
+      .def_ro("num_dynamic_sizes", &CacheTreeNode::num_dynamic_sizes)
+      .def_ro("static_sizes", &CacheTreeNode::static_sizes);
+  m.def(
+      "cache_tree",
+      []() {
+        std::vector<CacheTreeNode> out;
+        for (const auto& [compiler, root] : cache_roots()) {
+          std::vector<std::pair<const ShadowNode*, int64_t>> stack{{root.get(), -1}};
+          while (!stack.empty()) {
+            auto [node, parent] = stack.back();
+            stack.pop_back();
+            CacheTreeNode& row = out.emplace_back();
+            row.id = node->id;
+            row.parent = parent;
+            row.compiler = compiler;
+            row.node_name = node->summary ? node->summary->name : std::string();
+            row.hits = node->hits;
+            row.has_graph = node->compiled_fn.is_valid();
+            row.failed = node->failed;
+            row.failure = node->failure;
+            row.num_sizes = static_cast<uint32_t>(node->expected_sizes.size());
+            for (bool d : node->dynamic_sizes) {
+              row.num_dynamic_sizes += d ? 1 : 0;
+            }
+            row.static_sizes = node->static_sizes;
+            for (const auto& [_, child] : node->next) {
+              stack.emplace_back(child.get(), static_cast<int64_t>(node->id));
+            }
+          }
+        }
+        return out;
+      },
+      "Every node of the shadow-graph cache, each compiler's tree depth-first "
+      "(parents before children).");
   m.def(
       "clear_cache",
       []() {

@@ -112,6 +112,21 @@ def test_last_graph_is_readable_code(backend: str) -> None:
     assert "addmm_backward0 = ca_runtime__graph_ops_apply_node(" in code
     tagged = [(n.name, n.meta["autograd_node"]) for n in graph.graph.nodes if "autograd_node" in n.meta]
     assert ("relu_backward0", "ReluBackward0") in tagged and ("t_backward0", "TBackward0") in tagged
+    # ... with the autograd node's sequence number.
+    x = torch.randn(4, model[0].in_features)
+    with ca_runtime.enable(backend):
+        out = model(x)
+        pending, relu_seq = [out.grad_fn], None
+        while pending:
+            fn = pending.pop()
+            if fn.name() == "ReluBackward0":
+                relu_seq = fn._sequence_nr()
+            pending.extend(f for f, _ in fn.next_functions if f is not None)
+        out.sum().backward()
+    (relu,) = [
+        n for n in ca_runtime.last_graph().graph.nodes if n.meta.get("autograd_node") == "ReluBackward0"
+    ]
+    assert relu.meta["sequence_nr"] == relu_seq
     # Lifted inputs are read where first used, not in a block at the top.
     body = [line.strip() for line in code.splitlines() if "=" in line]
     assert not body[1].startswith("getitem_1 = inputs[")
@@ -264,6 +279,66 @@ def test_cache_info_reports_entries(backend: str) -> None:
     assert len({e.key_path_length for e in entries}) == 1 and entries[0].key_path_length > len(model)
     assert not any(e.failed for e in entries)
     assert len(ca_core.cache_entries()) == len(entries)
+
+
+def test_cache_tree_shows_each_key_path_and_links_captured_graphs(
+    backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import ca_runtime._runtime as runtime_module
+
+    entry_ids: list[int] = []
+    real_build = runtime_module.build_graph_module
+
+    def recording_build(graph: ca_core.BackwardGraph) -> object:
+        entry_ids.append(graph.entry_id)
+        return real_build(graph)
+
+    monkeypatch.setattr(runtime_module, "build_graph_module", recording_build)
+    x = torch.randn(3, requires_grad=True)
+    with ca_runtime.enable(backend):
+        for _ in range(3):
+            (x * 2).sum().backward()
+        (x.exp()).sum().backward()
+    tree = {n.id: n for n in ca_core.cache_tree()}
+    (root,) = [n for n in tree.values() if n.parent == -1 and n.compiler == f"backend:{backend}"]
+    assert root.node_name == ""
+    # Captures: (x*2) with .grad None, again with .grad defined, then exp: three entries.
+    assert len(entry_ids) == 3 and all(tree[i].has_graph and not tree[i].failed for i in entry_ids)
+    assert sorted(tree[i].hits for i in entry_ids) == [0, 0, 1]
+
+    def path(node_id: int) -> list[str]:
+        names = []
+        while tree[node_id].parent != -1:
+            names.append(tree[node_id].node_name)
+            node_id = tree[node_id].parent
+        return names[::-1]
+
+    root_and_leaf = ("torch::autograd::GraphRoot", "torch::autograd::AccumulateGrad")
+    assert path(entry_ids[0]) == [root_and_leaf[0], "SumBackward0", "MulBackward0", root_and_leaf[1]]
+    assert path(entry_ids[2]) == [root_and_leaf[0], "SumBackward0", "ExpBackward0", root_and_leaf[1]]
+    # Parents come before their children.
+    order = [n.id for n in ca_core.cache_tree()]
+    assert all(order.index(n.parent) < order.index(n.id) for n in tree.values() if n.parent != -1)
+
+
+def test_step_timings_are_collected_only_when_asked(backend: str) -> None:
+    x = torch.randn(3, requires_grad=True)
+    try:
+        with ca_runtime.enable(backend):
+            (x * 2).sum().backward()
+            assert ca_core.timings()["timed_backwards"] == 0
+            ca_core.set_timing(True)
+            for _ in range(3):
+                (x * 2).sum().backward()
+            ca_core.set_timing(False)
+            (x * 2).sum().backward()
+    finally:
+        ca_core.set_timing(False)
+    timings = ca_core.timings()
+    assert timings["timed_backwards"] == 3
+    assert timings["walk_ns"] > 0 and timings["run_ns"] > 0 and timings["finish_ns"] > 0
+    ca_core.reset_counters()
+    assert set(ca_core.timings().values()) == {0}
 
 
 @pytest.mark.parametrize("order", ["torch_first", "ours_first", "alternate"])

@@ -38,6 +38,7 @@ _check_ca_core()
 from ca_runtime._capture import build_graph_module  # noqa: E402
 from ca_runtime._enable import CacheEntry, cache_clear_failed, cache_info, disable, enable, reset, stats  # noqa: E402
 from ca_runtime._log import EagerFallbackWarning, GraphBreakWarning  # noqa: E402
+from ca_runtime._report import _arm_from_environment, collect_timings, report  # noqa: E402
 from ca_runtime._runtime import Runtime, last_graph  # noqa: E402
 
 __all__ = [
@@ -48,11 +49,16 @@ __all__ = [
     "build_graph_module",
     "cache_clear_failed",
     "cache_info",
+    "collect_timings",
     "disable",
     "enable",
     "last_graph",
+    "report",
     "reset",
     "stats",
 ]
 
 __version__ = importlib.metadata.version("ca-runtime")  # from pyproject.toml, its one source
+
+# CA_REPORT=PATH: after _enable's exit hook is registered, so the report is written before it runs.
+_arm_from_environment()

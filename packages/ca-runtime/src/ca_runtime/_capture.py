@@ -52,7 +52,8 @@ import torch.utils.checkpoint
 
 from ca_runtime import _graph_ops as ops
 from ca_runtime._aot import NotCopyable, copy_aot_backward
-from ca_runtime._node_rules import HOOK_RULES, Handling, NodeRule, dynamo_skips, rule_for
+from ca_runtime._node_rules import HOOK_RULES, Handling, NodeRule, rule_for
+from ca_runtime._torch_interop import dynamo_skips
 
 __all__ = ["Capture", "GraphBreak", "UnsupportedNode", "build_graph_module"]
 
@@ -114,7 +115,7 @@ def _is_impure(node: torch.fx.Node) -> bool:
 
 def _runs_leaf_hooks(node: ca_core.NodeInfo) -> bool:
     """Whether accumulating leaf ``node`` calls user code (see [Note: Leaf node hooks] in ca_core)."""
-    return any(node.hooks.get(kind) for kind in ("pre", "post", "post_acc_grad"))
+    return bool(node.num_grad_fn_pre_hooks or node.num_grad_fn_post_hooks or node.num_post_acc_grad_hooks)
 
 
 def _accumulates_in_graph(
@@ -130,7 +131,7 @@ def _accumulates_in_graph(
         and not graph.create_graph
         and node.tensor_slots
         and (node.post_acc_grad_hooks or user_code_follows)
-        and not node.hooks.get("pre")
+        and not node.num_grad_fn_pre_hooks
     )
 
 
@@ -167,6 +168,7 @@ def _call_for(
     call = fx.create_node("call_function", target, args, name=_fx_name(node.name))
     call.meta["autograd_node"] = node.name
     call.meta["walk_index"] = node.index
+    call.meta["sequence_nr"] = node.sequence_nr
     return call
 
 
@@ -316,7 +318,7 @@ class _GraphBuilder:
                 buffer[hook.input_nr] = self.fx.call_function(
                     ops.call_tensor_hook, (self.hook_at(hook.hook), grad)
                 )
-            elif hook.kind == "opaque":
+            elif hook.kind is ca_core.TensorPreHookKind.opaque:
                 self.graph_break(node, hook_rule.reason)
                 buffer = self.unpack(
                     self.fx.call_function(
@@ -346,7 +348,7 @@ class _GraphBuilder:
                     [self.hook_at(h) for h in node.post_acc_grad_hooks],
                 ),
             )
-            if node.hooks.get("post"):
+            if node.num_grad_fn_post_hooks:
                 self.leaf_outputs.append(node.index)
                 self.leaf_hooks_only.append(True)
                 self._leaf_grads.append(buffer[0])

@@ -39,7 +39,11 @@ import torch
 from ca_core.runtime_protocol import EngineRuntime
 
 from ca_runtime._runtime import CompilerFn, Runtime, graph_break_count, reset_graph_breaks
-from ca_runtime._torch_interop import keep_hook_across_torch_disable
+from ca_runtime._torch_interop import (
+    keep_hook_across_torch_disable,
+    rearm_torch_compiled_autograd,
+    torch_compiled_autograd_enabled,
+)
 
 __all__ = ["CacheEntry", "cache_clear_failed", "cache_info", "disable", "enable", "reset", "stats"]
 
@@ -54,9 +58,7 @@ class _HookState:
     @staticmethod
     def current() -> _HookState:
         ours = ca_core.installed_runtime()
-        torch_builtin = ours is None and bool(
-            getattr(torch._dynamo.compiled_autograd, "compiled_autograd_enabled", False)
-        )
+        torch_builtin = ours is None and torch_compiled_autograd_enabled()
         return _HookState(ours, torch_builtin)
 
     def restore(self) -> None:
@@ -65,9 +67,7 @@ class _HookState:
             return
         ca_core.uninstall_engine_hook()
         if self.torch_builtin:
-            set_compiler = torch._C._dynamo.compiled_autograd.set_autograd_compiler
-            prior = set_compiler(None, False)
-            set_compiler(*prior)
+            rearm_torch_compiled_autograd()
 
 
 def _valid_backends() -> list[str]:

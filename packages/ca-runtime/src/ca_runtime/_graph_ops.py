@@ -34,7 +34,8 @@ from typing import Any
 
 import ca_core
 import torch
-from torch._dynamo.external_utils import call_backward
+
+from ca_runtime._torch_interop import call_backward
 
 __all__ = [
     "accumulate",

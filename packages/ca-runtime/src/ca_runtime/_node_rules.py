@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import enum
 import fnmatch
-import types
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -20,7 +19,7 @@ import ca_core
 
 from ca_runtime._aot import is_aot_backward
 
-__all__ = ["HOOK_RULES", "NODE_RULES", "Handling", "HookRule", "NodeRule", "dynamo_skips", "rule_for"]
+__all__ = ["HOOK_RULES", "NODE_RULES", "Handling", "HookRule", "NodeRule", "rule_for"]
 
 
 class Handling(enum.Enum):
@@ -119,31 +118,11 @@ class HookRule:
 
 #: Tensor pre-hooks by kind. grad_fn pre/post hooks are always traced, and
 #: post-accumulate-grad hooks run inside the real AccumulateGrad node.
-HOOK_RULES: dict[str, HookRule] = {
-    "python": HookRule(Handling.TRACE),
-    "cpp": HookRule(Handling.BREAK, "a C++ tensor hook runs eagerly"),
-    "retains_grad": HookRule(Handling.BREAK, "retain_grad() sets .grad eagerly"),
-    "opaque": HookRule(Handling.BREAK, "a C++ tensor hook without compiled_args runs eagerly"),
+HOOK_RULES: dict[ca_core.TensorPreHookKind, HookRule] = {
+    ca_core.TensorPreHookKind.python: HookRule(Handling.TRACE),
+    ca_core.TensorPreHookKind.cpp: HookRule(Handling.BREAK, "a C++ tensor hook runs eagerly"),
+    ca_core.TensorPreHookKind.retains_grad: HookRule(Handling.BREAK, "retain_grad() sets .grad eagerly"),
+    ca_core.TensorPreHookKind.opaque: HookRule(
+        Handling.BREAK, "a C++ tensor hook without compiled_args runs eagerly"
+    ),
 }
-
-
-def dynamo_skips(hook: object) -> bool:
-    """Whether Dynamo would skip (not inline) a call of ``hook``, e.g. checkpoint's unpack hook.
-
-    Such a hook is called behind a graph break of ours instead of splitting
-    the graph wherever Dynamo meets it; see [Note: Unpack hooks in the graph]
-    in ca_core.
-    """
-    from torch._dynamo import trace_rules
-    from torch._dynamo.variables import SkipFunctionVariable
-
-    target: object = hook
-    if isinstance(hook, types.MethodType):
-        target = hook.__func__
-    elif not isinstance(hook, (types.FunctionType, types.BuiltinFunctionType)):
-        target = getattr(type(hook), "__call__", hook)  # noqa: B004 - a callable object: Dynamo inlines __call__
-    try:
-        rule = trace_rules.lookup(target)
-    except Exception:  # noqa: BLE001 - a callable Dynamo cannot classify is not inlined either
-        return True
-    return isinstance(rule, type) and issubclass(rule, SkipFunctionVariable)

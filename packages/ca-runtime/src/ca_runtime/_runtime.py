@@ -29,7 +29,9 @@ which mypy checks ``Runtime`` against):
 Each failure warns once (``EagerFallbackWarning``) naming the node and the
 reason; ca_core counts it and remembers the failing key path. Each graph break
 is counted, and logged (logger ``ca_runtime``, INFO) and warned
-(``GraphBreakWarning``) once per node name and reason.
+(``GraphBreakWarning``) once per node name and reason. Each capture, first run
+and fallback is also recorded for ``ca_runtime.report()`` (``_report/records.py``),
+with the time each stage took.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from types import TracebackType
@@ -44,11 +48,12 @@ from typing import Any
 
 import ca_core
 import torch
-from torch._dynamo.external_utils import FakeBackwardCFunction, call_backward
 
 from ca_runtime._capture import UnsupportedNode, build_graph_module
 from ca_runtime._log import EagerFallbackWarning, GraphBreakWarning, log, miss_log
+from ca_runtime._report import records
 from ca_runtime._state import STATE
+from ca_runtime._torch_interop import FakeBackwardCFunction, call_backward
 
 __all__ = ["Runtime", "graph_break_count", "last_graph", "reset_graph_breaks"]
 
@@ -119,30 +124,45 @@ class Runtime:
         self.last_failure = ""
         #: Which cache it serves; see [Note: One cache per compiler] in ca_core.
         self.compiler_key = "default"
+        #: Per thread: the report record of the capture whose first run is due
+        #: (``pending``) or failed (``failed_first_run``); see _report/records.py.
+        self._records = threading.local()
 
     def capture(
         self, graph: ca_core.BackwardGraph
     ) -> tuple[Callable[..., Any], list[int], list[bool]] | None:
+        record = records.begin_capture(graph, self.compiler_key)
+        self._records.pending = self._records.failed_first_run = None
+        start = time.perf_counter()
         try:
             captured = build_graph_module(graph)
         except UnsupportedNode as e:
-            self._fallback(e.node_name, e.reason)
+            records.capture_failed(record, "capture", e.reason, e.node_index)
+            self._fallback(e.node_name, e.reason, record)
             return None
         except Exception as e:  # noqa: BLE001 - a capture bug must not kill the training step
-            self._fallback("capture", _describe(e))
+            records.capture_failed(record, "capture", _describe(e))
+            self._fallback("capture", _describe(e), record)
             return None
+        records.capture_built(record, graph, captured, time.perf_counter() - start)
         gm = captured.graph_module
         STATE.set_last_graph(gm)
         self._log_miss(graph)
         log.debug("captured backward of %d nodes:\n%s", len(graph.nodes), gm.code)
+        start = time.perf_counter()
         try:
             compiled = self.compiler_fn(gm)
         except Exception as e:  # noqa: BLE001 - any compiler failure is a fallback with a warning
-            self._fallback("compiler_fn", _describe(e))
+            records.capture_failed(record, "compiler_fn", _describe(e))
+            self._fallback("compiler_fn", _describe(e), record)
             return None
         if not callable(compiled):
-            self._fallback("compiler_fn", f"returned {type(compiled).__name__}, not a callable")
+            reason = f"returned {type(compiled).__name__}, not a callable"
+            records.capture_failed(record, "compiler_fn", reason)
+            self._fallback("compiler_fn", reason, record)
             return None
+        records.capture_compiled(record, time.perf_counter() - start)
+        self._records.pending = record
         for brk in STATE.record_capture(gm, captured.graph_breaks):
             message = f"ca_runtime: graph break at {brk.node_name} (node {brk.node_index}): {brk.reason}"
             log.info(message)
@@ -163,15 +183,28 @@ class Runtime:
             torch._dynamo.maybe_mark_dynamic(size, size.dim() - 1)
         for tensor_idx, dim in dynamic_dims:
             torch._dynamo.maybe_mark_dynamic(inputs[tensor_idx], dim)
+        # The record of the capture just made on this thread (None: another
+        # thread's capture, whose first run this backward happens to make).
+        record: records.CaptureRecord | None = getattr(self._records, "pending", None)
+        self._records.pending = None
+        start = time.perf_counter()
         try:
-            return compiled(inputs, sizes, scalars, hooks)
+            outputs = compiled(inputs, sizes, scalars, hooks)
         except Exception as e:
             if _raised_by_user_code(e):
                 raise
             # ca_core runs this backward eagerly and calls report_fallback only
             # if eager succeeds (see [Note: Whose failure] in ca_core).
             self.last_failure = "first run failed: " + _describe(e)
+            if record is not None:
+                records.first_run_done(
+                    record, time.perf_counter() - start, inputs, scalars, hooks, self.last_failure
+                )
+                self._records.failed_first_run = record
             return None
+        if record is not None:
+            records.first_run_done(record, time.perf_counter() - start, inputs, scalars, hooks)
+        return outputs
 
     @staticmethod
     def _log_miss(graph: ca_core.BackwardGraph) -> None:
@@ -188,7 +221,12 @@ class Runtime:
         )
 
     def report_fallback(self, node: str, reason: str) -> None:
-        self._fallback(node, reason)
+        # After a failed first run, ca_core reports the fallback of that capture.
+        record: records.CaptureRecord | None = None
+        if node == "compiled graph":
+            record = getattr(self._records, "failed_first_run", None)
+        self._records.failed_first_run = None
+        self._fallback(node, reason, record)
 
     def proxy_call_backward(
         self,
@@ -212,9 +250,10 @@ class Runtime:
         result = call_backward(ctx, list(saved_tensors), *inputs)  # type: ignore[arg-type]
         return result if isinstance(result, tuple) else (result,)
 
-    def _fallback(self, node: str, reason: str) -> None:
+    def _fallback(self, node: str, reason: str, record: records.CaptureRecord | None = None) -> None:
         first_line = reason.strip().splitlines()[0] if reason.strip() else reason
         self.last_failure = f"{node}: {first_line}"
+        records.record_fallback(self.compiler_key, node, first_line, record)
         message = (
             f"ca_runtime: {node} cannot be compiled ({first_line}); this backward runs on the eager engine"
         )

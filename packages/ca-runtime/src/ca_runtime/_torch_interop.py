@@ -1,4 +1,26 @@
-"""Living next to torch's built-in compiled autograd.
+"""Every private torch API the Python side uses, in one audited place.
+
+Checked against torch 2.13.0 (the version ca-core pins); each has a smoke test
+in tests/test_torch_interop.py, so a torch upgrade that moves one fails there,
+by name. The C++ side's list is ca_core's csrc/torch_private.h.
+
+Used through this module:
+  1. ``torch._dynamo.compiled_autograd._disable``: wrapped once per process;
+     see [Note: torch clears the engine slot] below.
+  2. ``torch._dynamo.compiled_autograd.compiled_autograd_enabled`` and
+     ``torch._C._dynamo.compiled_autograd.set_autograd_compiler``: whether
+     torch's built-in compiled autograd is on, and re-arming it (see
+     [Note: Restoring the engine hook] in _enable.py).
+  3. ``torch._dynamo.external_utils.call_backward`` and
+     ``FakeBackwardCFunction``: run a Python Function's backward from a
+     graph, as torch's compiled autograd does.
+  4. ``torch._dynamo.trace_rules.lookup`` and ``SkipFunctionVariable``:
+     whether Dynamo would inline a hook (``dynamo_skips``).
+Used in place, because they are what the module is about:
+  5. AOTAutograd's ``CompiledFunction`` internals in _aot.py (``_aot_id``,
+     ``_bw_prologue_fn``, ``metadata``, ``maybe_subclass_metadata``,
+     ``boxed_grads_call``, ``ctx._forward_cls``) and
+     ``torch._dynamo.compiled_autograd.extract_bw_module``.
 
 [Note: torch clears the engine slot]
 AOTAutograd and Inductor compile under
@@ -16,17 +38,26 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import ca_core
 import torch
+from torch._dynamo.external_utils import FakeBackwardCFunction, call_backward
 
-__all__ = ["keep_hook_across_torch_disable"]
+__all__ = [
+    "FakeBackwardCFunction",
+    "call_backward",
+    "dynamo_skips",
+    "keep_hook_across_torch_disable",
+    "rearm_torch_compiled_autograd",
+    "torch_compiled_autograd_enabled",
+]
 
 
 def keep_hook_across_torch_disable() -> None:
-    """Installs the ``_disable`` wrapper of [Note: torch clears the engine slot] (idempotent)."""
+    """1. Installs the ``_disable`` wrapper of [Note: torch clears the engine slot] (idempotent)."""
     module = torch._dynamo.compiled_autograd
     original: Callable[..., Any] = module._disable
     if getattr(original, "_ca_rearms", False):
@@ -43,3 +74,37 @@ def keep_hook_across_torch_disable() -> None:
 
     _disable._ca_rearms = True  # type: ignore[attr-defined]
     module._disable = _disable
+
+
+def torch_compiled_autograd_enabled() -> bool:
+    """2. Whether torch's built-in compiled autograd holds the engine's slot."""
+    return bool(getattr(torch._dynamo.compiled_autograd, "compiled_autograd_enabled", False))
+
+
+def rearm_torch_compiled_autograd() -> None:
+    """2. Puts torch's own engine hook back, keeping torch's compiler object."""
+    set_compiler = torch._C._dynamo.compiled_autograd.set_autograd_compiler
+    prior = set_compiler(None, False)
+    set_compiler(*prior)
+
+
+def dynamo_skips(hook: object) -> bool:
+    """4. Whether Dynamo would skip (not inline) a call of ``hook``, e.g. checkpoint's unpack hook.
+
+    Such a hook is called behind a graph break of ours instead of splitting
+    the graph wherever Dynamo meets it; see [Note: Unpack hooks in the graph]
+    in ca_core.
+    """
+    from torch._dynamo import trace_rules
+    from torch._dynamo.variables import SkipFunctionVariable
+
+    target: object = hook
+    if isinstance(hook, types.MethodType):
+        target = hook.__func__
+    elif not isinstance(hook, (types.FunctionType, types.BuiltinFunctionType)):
+        target = getattr(type(hook), "__call__", hook)  # noqa: B004 - a callable object: Dynamo inlines __call__
+    try:
+        rule = trace_rules.lookup(target)
+    except Exception:  # noqa: BLE001 - a callable Dynamo cannot classify is not inlined either
+        return True
+    return isinstance(rule, type) and issubclass(rule, SkipFunctionVariable)

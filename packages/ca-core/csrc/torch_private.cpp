@@ -1,0 +1,174 @@
+// torch_private.cpp — the implementations behind torch_private.h (every
+// private torch dependency, listed there) and the entry points of their
+// smoke tests (tests/test_torch_private.py).
+#include "torch_private.h"
+
+#include "tensor_caster.h"
+
+#include <torch/csrc/autograd/function_hook.h>
+
+#include <nanobind/stl/string.h>
+
+#include <cstring>
+#include <typeinfo>
+#include <utility>
+
+// 2. Exported by libtorch_python; see torch_private.h.
+namespace torch::jit {
+c10::IValue toIValue(
+    pybind11::handle obj,
+    const c10::TypePtr& type,
+    std::optional<int32_t> N);
+pybind11::object toPyObject(c10::IValue ivalue);
+} // namespace torch::jit
+
+namespace ca::torch_private {
+
+using torch::autograd::Node;
+using torch::dynamo::autograd::SwapSavedVariables;
+
+c10::IValue to_ivalue(nb::handle obj, const c10::TypePtr& type) {
+  return torch::jit::toIValue(pybind11::handle(obj.ptr()), type, std::nullopt);
+}
+
+nb::object to_py_object(c10::IValue value) {
+  return nb::steal(torch::jit::toPyObject(std::move(value)).release().ptr());
+}
+
+bool is_py_node(const Node& node) {
+  return std::strcmp(typeid(node).name(), "N5torch8autograd6PyNodeE") == 0;
+}
+
+bool is_compiled_args_nyi(const c10::NotImplementedError& e) {
+  return std::string_view(e.what_without_backtrace()).rfind("compiled_args nyi", 0) == 0;
+}
+
+/*
+[Note: Restoring a failed swap]
+A generated node's apply_with_saved calls SwapSavedVariables::before() on
+each saved value, runs its backward, then after() on each: plain calls, not
+RAII. When the backward throws in between -- typically while Dynamo runs it
+on FakeTensors and an op rejects them, after which Dynamo graph-breaks and
+runs it for real -- the node is left holding the swapped-in values
+(FakeTensors) for good: a retained graph's next backward, or the eager
+fallback, would then compute with them. torch keeps the values to restore in
+SwapSavedVariables' private stashes; restore_swap_stashes reaches them
+through the one access route C++ leaves to private members (an explicit
+template instantiation may name them) and puts every value back.
+*/
+namespace {
+
+template <typename Tag, auto Member>
+struct PrivateMember {
+  friend auto member_of(Tag) {
+    return Member;
+  }
+};
+#define CA_PRIVATE_STASH(TAG, MEMBER)      \
+  struct TAG {                             \
+    friend auto member_of(TAG);            \
+  };                                       \
+  template struct PrivateMember<TAG, &SwapSavedVariables::MEMBER>;
+CA_PRIVATE_STASH(StashedVariables, stashed_variables)
+CA_PRIVATE_STASH(StashedTensors, stashed_tensors)
+CA_PRIVATE_STASH(StashedSymInts, stashed_symints)
+CA_PRIVATE_STASH(StashedIValues, stashed_ivalues)
+#undef CA_PRIVATE_STASH
+
+template <typename Stash>
+void put_back(Stash& stash) {
+  for (auto& [key, stashed] : stash) {
+    using T = std::remove_const_t<std::remove_pointer_t<std::remove_cvref_t<decltype(key)>>>;
+    *const_cast<T*>(key) = std::move(stashed.prior_value);
+  }
+  stash.clear();
+}
+
+/// A FunctionPreHook without compiled_args, as a user's C++ hook is.
+struct HookWithoutCompiledArgs : torch::autograd::FunctionPreHook {
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override {
+    return grads;
+  }
+};
+
+} // namespace
+
+void restore_swap_stashes(SwapSavedVariables& swap) {
+  put_back(swap.*member_of(StashedVariables{}));
+  put_back(swap.*member_of(StashedTensors{}));
+  put_back(swap.*member_of(StashedSymInts{}));
+  put_back(swap.*member_of(StashedIValues{}));
+}
+
+void add_torch_op(nb::handle ops, const std::string& name, nb::handle fn, bool is_traceable) {
+  // OpNamespace.add(name, fn, is_custom_function, is_traceable)
+  ops.attr("add")(name, fn, false, is_traceable);
+}
+
+void register_torch_private(nb::module_& m) {
+  // Smoke tests of torch_private.h, one per dependency; underscored: not API.
+  m.def(
+      "_private_py_interpreter_roundtrip",
+      [](nb::handle obj) {
+        c10::SafePyObject safe(obj.inc_ref().ptr(), getPyInterpreter());
+        return nb::borrow(safe.ptr(getPyInterpreter()));
+      },
+      "1. A Python object through c10::SafePyObject and getPyInterpreter().");
+  m.def(
+      "_private_ivalue_roundtrip",
+      [](nb::handle obj, const std::string& kind) {
+        c10::TypePtr type = kind == "int" ? c10::TypePtr(c10::IntType::get())
+            : kind == "float"             ? c10::TypePtr(c10::FloatType::get())
+            : kind == "int_list"          ? c10::TypePtr(c10::ListType::ofInts())
+                                          : c10::TypePtr(c10::TensorType::get());
+        return to_py_object(to_ivalue(obj, type));
+      },
+      "2. A value through toIValue and toPyObject ('int', 'float', 'int_list', 'tensor').");
+  m.def(
+      "_private_is_py_node",
+      [](const at::Tensor& t) {
+        TORCH_CHECK(t.defined() && t.grad_fn(), "needs a tensor with a grad_fn");
+        return is_py_node(*t.grad_fn());
+      },
+      "3. Whether a tensor's grad_fn is a Python Function's PyNode.");
+  m.def(
+      "_private_compiled_args_nyi",
+      [](const at::Tensor& t) {
+        TORCH_CHECK(t.defined() && t.grad_fn(), "needs a tensor with a grad_fn");
+        torch::dynamo::autograd::AutogradCompilerCall collected(
+            torch::dynamo::autograd::SizeInput::STATIC);
+        torch::dynamo::autograd::NodeCall call(0, t.grad_fn());
+        torch::dynamo::autograd::CompiledNodeArgs args(collected, call);
+        HookWithoutCompiledArgs hook;
+        try {
+          hook.compiled_args(args);
+        } catch (const c10::NotImplementedError& e) {
+          return is_compiled_args_nyi(e);
+        }
+        return false;
+      },
+      "4. Whether a hook without compiled_args is recognised as such.");
+  m.def(
+      "_private_restore_swap_stashes",
+      [](const at::Tensor& t, const at::Tensor& proxy) {
+        TORCH_CHECK(t.defined() && t.grad_fn(), "needs a tensor with a grad_fn");
+        torch::dynamo::autograd::AutogradCompilerCall collected(
+            torch::dynamo::autograd::SizeInput::STATIC);
+        collected.tensor_args.add(t).proxy_tensor = proxy;
+        torch::dynamo::autograd::NodeCall call(0, t.grad_fn());
+        torch::dynamo::autograd::TraceState trace({}, 0);
+        SwapSavedVariables swap(collected, trace, nullptr, call);
+        at::Tensor saved = t;
+        swap.before(saved);
+        const bool swapped = saved.is_same(proxy);
+        restore_swap_stashes(swap);
+        return swapped && saved.is_same(t);
+      },
+      "5. A swapped-in value put back from SwapSavedVariables' private stash.");
+  m.def(
+      "_private_add_torch_op",
+      [](nb::handle ops, const std::string& name, nb::handle fn) { add_torch_op(ops, name, fn, true); },
+      "6. Adds `fn` to an OpNamespace as torch's compiled autograd does.");
+}
+
+} // namespace ca::torch_private

@@ -1,0 +1,70 @@
+// torch_private.h — every use ca_core makes of torch internals that are not a
+// public, stable API, behind one small interface. Checked against torch
+// 2.13.0 (the version ca-core pins); each item has a smoke test in
+// tests/test_torch_private.py, so a torch upgrade that breaks one fails there,
+// by name, before anything else does.
+//
+// The dependencies, and what breaks if torch changes them:
+//   1. getPyInterpreter() (libtorch_python, torch/csrc/PyInterpreter.h):
+//      declared by hand because the header pulls in pybind11. Used to read
+//      the Python objects torch collects (hooks, ctx, packed saved data).
+//   2. torch::jit::toIValue / toPyObject (torch/csrc/jit/python/
+//      pybind_utils.h): hand-written prototypes, since the header pulls in
+//      much of the JIT. Itanium mangling does not encode return types, so a
+//      changed return type would still link: the smoke test round-trips
+//      values through both.
+//   3. PyNode's mangled type name "N5torch8autograd6PyNodeE": its typeinfo
+//      is not exported by libtorch_python, so no dynamic_cast is possible.
+//   4. The message of FunctionPreHook's default compiled_args, which starts
+//      with "compiled_args nyi": how a C++ hook without compiled_args is told
+//      apart from a real failure.
+//   5. SwapSavedVariables' private stashes (stashed_variables,
+//      stashed_tensors, stashed_symints, stashed_ivalues), reached through
+//      an explicit template instantiation; see [Note: Restoring a failed swap].
+//   6. torch._dynamo.compiled_autograd.ops.add(name, fn, is_custom_function,
+//      is_traceable), called positionally to share functionals with torch's
+//      compiled autograd; see [Note: Sharing functionals with torch].
+// Internal but public in the headers, and used directly where needed:
+// GraphTask's fields (exec_info_, dependencies_, final_callbacks_,
+// keep_graph_, thread_locals_), Engine::set_compiled_autograd and
+// Engine::execute_with_graph_task, the compiled-autograd types of
+// torch/csrc/dynamo/compiled_autograd.h. The Python side's private uses are
+// listed in ca_runtime/_torch_interop.py.
+#pragma once
+
+#include <nanobind/nanobind.h>
+
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/dynamo/compiled_autograd.h>
+
+#include <string>
+
+// 1. Exported by libtorch_python; see the list above.
+c10::impl::PyInterpreter* getPyInterpreter();
+
+namespace ca::torch_private {
+
+namespace nb = nanobind;
+
+/// 2. A Python value as an IValue of `type` (torch::jit::toIValue).
+c10::IValue to_ivalue(nb::handle obj, const c10::TypePtr& type);
+/// 2. An IValue as a new Python object (torch::jit::toPyObject).
+nb::object to_py_object(c10::IValue value);
+
+/// 3. Whether `node` is a Python autograd.Function's node (PyNode).
+bool is_py_node(const torch::autograd::Node& node);
+
+/// 4. Whether `e` is FunctionPreHook's "not implemented" compiled_args.
+bool is_compiled_args_nyi(const c10::NotImplementedError& e);
+
+/// 5. Puts back every value `swap` swapped in and did not restore; see
+/// [Note: Restoring a failed swap].
+void restore_swap_stashes(torch::dynamo::autograd::SwapSavedVariables& swap);
+
+/// 6. Adds `fn` to torch._dynamo.compiled_autograd.ops as `name`.
+void add_torch_op(nb::handle ops, const std::string& name, nb::handle fn, bool is_traceable);
+
+/// Registers _torch_private_checks(), the smoke tests' entry point.
+void register_torch_private(nb::module_& m);
+
+} // namespace ca::torch_private

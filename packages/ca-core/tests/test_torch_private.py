@@ -1,0 +1,66 @@
+"""Smoke tests of ca_core's private torch dependencies, one per item of csrc/torch_private.h.
+
+A torch upgrade that moves one of them fails here, by name, before any
+behaviour test does.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from ca_core import _C
+
+
+def test_1_py_interpreter_round_trips_a_python_object() -> None:
+    obj = object()
+    assert _C._private_py_interpreter_roundtrip(obj) is obj
+
+
+@pytest.mark.parametrize(
+    ("value", "kind"),
+    [(7, "int"), (2.5, "float"), ([1, -2, 3], "int_list")],
+)
+def test_2_ivalue_conversions_round_trip(value: object, kind: str) -> None:
+    assert _C._private_ivalue_roundtrip(value, kind) == value
+
+
+def test_2_ivalue_conversions_keep_a_tensor() -> None:
+    t = torch.randn(3)
+    assert _C._private_ivalue_roundtrip(t, "tensor") is t
+
+
+class _Double(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, g: torch.Tensor) -> torch.Tensor:
+        return g * 2
+
+
+def test_3_py_node_is_recognised_by_its_type_name() -> None:
+    x = torch.randn(2, requires_grad=True)
+    assert _C._private_is_py_node(_Double.apply(x))
+    assert not _C._private_is_py_node(x * 3)
+
+
+def test_4_hook_without_compiled_args_is_recognised() -> None:
+    x = torch.randn(2, requires_grad=True)
+    assert _C._private_compiled_args_nyi(x * 3)
+
+
+def test_5_swap_stash_is_put_back() -> None:
+    x = torch.randn(2, requires_grad=True)
+    y = x * 3
+    assert _C._private_restore_swap_stashes(y, torch.zeros(2))
+
+
+def test_6_torch_ops_accepts_a_positional_add() -> None:
+    from torch._dynamo import compiled_autograd
+
+    assert isinstance(compiled_autograd.ops, compiled_autograd.OpNamespace)
+    ops = compiled_autograd.OpNamespace()
+    _C._private_add_torch_op(ops, "CaSmokeTest", lambda grads: grads)
+    t = torch.ones(1)
+    assert ops.CaSmokeTest([t]) == [t]

@@ -1,0 +1,383 @@
+"""What the runtime records for ``ca_runtime.report()``: captures, first runs and fallbacks.
+
+Everything here runs on the miss path only (``Runtime.capture``,
+``Runtime.run_first``, ``Runtime._fallback``), never on a cache hit. A record
+holds plain strings and numbers, never a tensor, hook or graph: the report must
+not keep a model alive. Records live in ``STATE.report_log`` (bounded: the
+latest ``REPORT_LIMIT`` captures and fallbacks, see ``_state.py``).
+
+[Note: How a node ran]
+The drawing colours each node of a captured backward by how it ran. The
+capture decides per node (``_capture.py``); the record derives the same answer
+from what the capture produced, without re-deciding anything:
+
+- the FX call named after the node (``node.meta["walk_index"]``): ``apply_node``
+  is *traced*, ``call_function_backward`` a Python *Function* backward traced
+  from the graph, ``apply_with_saved_eager`` a graph *break*;
+- a node listed in the capture's ``graph_breaks`` (also for a retain_grad or C++
+  hook on a traced node) is a *break*;
+- a node with no call of its own whose rule is AOT had its compiled region's
+  backward copied in (*aot*); AccumulateGrad nodes are *leaf*, nodes the
+  backward does not need *unused*;
+- every node of a backward that fell back (capture, compile or first run
+  failed, then eager ran it) ran *eager*.
+
+Hooks (tensor pre-hooks, grad_fn pre/post hooks, post-accumulate-grad hooks)
+are a separate mark: a node can be traced *and* have hooks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import threading
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import ca_core
+import torch
+
+from ca_runtime import _graph_ops as ops
+from ca_runtime._node_rules import Handling, rule_for
+from ca_runtime._state import STATE
+
+if TYPE_CHECKING:
+    from ca_runtime._capture import Capture
+
+__all__ = [
+    "NODE_KINDS",
+    "BreakRecord",
+    "CaptureRecord",
+    "FallbackRecord",
+    "HookRecord",
+    "LiftedInputs",
+    "NodeRecord",
+    "begin_capture",
+    "capture_built",
+    "capture_compiled",
+    "capture_failed",
+    "first_run_done",
+    "miss_category",
+    "record_fallback",
+]
+
+#: How a node ran, in the legend's order; see [Note: How a node ran].
+NODE_KINDS: dict[str, str] = {
+    "traced": "traced into the compiled graph (apply_node)",
+    "aot": "a torch.compile'd region's backward, copied into the graph",
+    "function": "a Python autograd.Function's backward, traced from the graph",
+    "break": "runs eagerly behind a graph break",
+    "eager": "ran on the eager engine (the backward fell back)",
+    "leaf": "AccumulateGrad: a leaf's grad",
+    "unused": "not needed by this backward",
+}
+
+#: Seconds are counted from here (the import of ca_runtime).
+_T0 = time.perf_counter()
+#: Longest repr of a hook, and most lifted tensors/scalars described per capture.
+_MAX_REPR = 160
+_MAX_LISTED = 256
+
+
+@dataclasses.dataclass
+class HookRecord:
+    """A hook of a node: its kind and, once the graph ran, its ``repr``."""
+
+    kind: str
+    #: Index in the hooks list the graph gets (a Python object), or None (a C++ hook).
+    index: int | None = None
+    repr: str = ""
+
+
+@dataclasses.dataclass
+class NodeRecord:
+    """One autograd node of a captured backward."""
+
+    index: int
+    name: str
+    type_name: str
+    sequence_nr: int
+    needed: bool
+    is_leaf: bool
+    #: Walk indices of the nodes its output grads flow to.
+    edges: list[int]
+    hooks: list[HookRecord] = dataclasses.field(default_factory=list)
+    #: One of NODE_KINDS; see [Note: How a node ran].
+    kind: str = "traced"
+    #: How it ran, in words (a break's reason, where a leaf was accumulated).
+    detail: str = ""
+
+
+@dataclasses.dataclass
+class BreakRecord:
+    """One call of a captured graph that runs eagerly behind a graph break."""
+
+    node_index: int
+    node_name: str
+    reason: str
+
+
+@dataclasses.dataclass
+class LiftedInputs:
+    """The inputs a captured graph takes: counts at capture, descriptions after the first run."""
+
+    num_tensors: int
+    num_sizes: int
+    num_dynamic_sizes: int
+    num_scalars: int
+    num_hooks: int = 0
+    #: ``float32[4, 8]`` per lifted tensor (the first _MAX_LISTED), from the first run.
+    tensors: list[str] = dataclasses.field(default_factory=list)
+    scalars: list[str] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class CaptureRecord:
+    """One call of ``Runtime.capture``: a backward captured (or not) into an FX graph."""
+
+    id: int
+    #: Seconds since ca_runtime was imported.
+    at_s: float
+    compiler: str
+    #: The cache_tree() id of the entry the graph is stored at.
+    entry_id: int
+    thread: str
+    nodes: list[NodeRecord]
+    #: Walk index of the node where this backward left the cached paths, or
+    #: None (the first capture of this backward); see [Note: Explained misses] in ca_core.
+    miss_node: int | None
+    miss_reason: str
+    create_graph: bool
+    lifted: LiftedInputs
+    code: str = ""
+    breaks: list[BreakRecord] = dataclasses.field(default_factory=list)
+    #: build_graph_module, the compiler_fn call, and the first run of the
+    #: compiled graph (where torch.compile compiles, lazily); None: not reached.
+    capture_s: float | None = None
+    compile_s: float | None = None
+    first_run_s: float | None = None
+    #: "capturing", "compiled", "ran" (its first run succeeded) or "failed".
+    outcome: str = "capturing"
+    #: Where it failed ("capture", "compiler_fn", "first run") and why.
+    failure_stage: str = ""
+    failure: str = ""
+    #: Walk index of the node the capture could not take, or None.
+    failed_node: int | None = None
+    #: The backward ran on the eager engine instead (a fallback was reported).
+    ran_eagerly: bool = False
+
+
+@dataclasses.dataclass
+class FallbackRecord:
+    """One backward that ran wholly on the eager engine, with the warning's reason."""
+
+    id: int
+    at_s: float
+    compiler: str
+    #: What failed: a node name, "capture", "compiler_fn" or "compiled graph".
+    where: str
+    reason: str
+    #: The CaptureRecord it belongs to, or None (the walk failed: nothing was captured).
+    capture_id: int | None = None
+
+
+def _now() -> float:
+    return time.perf_counter() - _T0
+
+
+def _hooks_of(node: ca_core.NodeInfo) -> list[HookRecord]:
+    hooks = [
+        HookRecord(
+            f"tensor pre-hook ({hook.kind.name})",
+            hook.hook if hook.kind is ca_core.TensorPreHookKind.python else None,
+        )
+        for hook in node.tensor_pre_hooks
+    ]
+    hooks += [HookRecord("grad_fn pre-hook", i) for i in node.pre_hooks]
+    hooks += [HookRecord("grad_fn hook", i) for i in node.post_hooks]
+    hooks += [HookRecord("post-accumulate-grad hook", i) for i in node.post_acc_grad_hooks]
+    # Hooks of a leaf's real AccumulateGrad node run in C++ (see [Note: Leaf node hooks] in ca_core).
+    if node.is_accumulate_grad:
+        hooks += [HookRecord("AccumulateGrad pre-hook")] * node.num_grad_fn_pre_hooks
+        hooks += [HookRecord("AccumulateGrad hook")] * node.num_grad_fn_post_hooks
+    return hooks
+
+
+def begin_capture(graph: ca_core.BackwardGraph, compiler: str) -> CaptureRecord:
+    """A record of a capture starting now; stored at once, filled in as the capture goes on."""
+    nodes = [
+        NodeRecord(
+            index=node.index,
+            name=node.name,
+            type_name=node.type_name,
+            sequence_nr=node.sequence_nr,
+            needed=node.needed,
+            is_leaf=node.is_accumulate_grad,
+            edges=[edge[0] for edge in node.next_edges if edge is not None],
+            hooks=_hooks_of(node),
+            kind="unused" if not node.needed else "leaf" if node.is_accumulate_grad else "traced",
+        )
+        for node in graph.nodes
+    ]
+    record = CaptureRecord(
+        id=0,
+        at_s=_now(),
+        compiler=compiler,
+        entry_id=graph.entry_id,
+        thread=threading.current_thread().name,
+        nodes=nodes,
+        miss_node=graph.miss_node,
+        miss_reason=graph.miss_reason,
+        create_graph=graph.create_graph,
+        lifted=LiftedInputs(
+            num_tensors=graph.num_tensors,
+            num_sizes=graph.num_sizes,
+            num_dynamic_sizes=sum(graph.dynamic_sizes),
+            num_scalars=graph.num_scalars,
+        ),
+    )
+    STATE.add_capture_record(record)
+    STATE.count_reasons("miss", [miss_category(graph.miss_node, graph.miss_reason)])
+    return record
+
+
+def miss_category(miss_node: int | None, miss_reason: str) -> str:
+    """A miss reason without its numbers, to count alike misses together.
+
+    ``size input #3 of SumBackward0 (node 1) changed from 4 to 8 and is now
+    dynamic`` -> ``a size changed and is now dynamic``.
+    """
+    if miss_node is None:
+        return "first capture of this backward (no cached graph on its path)"
+    parts: list[str] = []
+    for reason in miss_reason.split("; "):
+        if reason.startswith(("key bytes", "and ")):
+            continue
+        size_change = re.match(r"size input #\d+ of .* changed from -?\d+ to -?\d+(.*)", reason)
+        part = "a size changed" + size_change.group(1) if size_change else reason
+        part = re.sub(r"\(node \d+\)|#\d+", "", part)
+        part = re.sub(r"\d+ -> \d+", "N -> M", part)
+        part = re.sub(r"\s+", " ", part).strip()
+        if part not in parts:
+            parts.append(part)
+    return "; ".join(parts) or "a specialised value changed"
+
+
+#: FX call targets that run one autograd node, by how it runs.
+_CALL_KINDS: dict[Any, str] = {
+    ops.apply_node: "traced",
+    ops.call_function_backward: "function",
+    ops.apply_with_saved_eager: "break",
+}
+
+
+def capture_built(
+    record: CaptureRecord, graph: ca_core.BackwardGraph, captured: Capture, seconds: float
+) -> None:
+    """The FX graph is built: its code, breaks and how each node runs ([Note: How a node ran])."""
+    record.capture_s = seconds
+    record.code = captured.graph_module.code
+    record.breaks = [BreakRecord(b.node_index, b.node_name, b.reason) for b in captured.graph_breaks]
+    calls: dict[int, str] = {}
+    for fx_node in captured.graph_module.graph.nodes:
+        index = fx_node.meta.get("walk_index")
+        if fx_node.op == "call_function" and index is not None and fx_node.target in _CALL_KINDS:
+            calls[index] = _CALL_KINDS[fx_node.target]
+    breaks: dict[int, list[str]] = {}
+    for brk in captured.graph_breaks:
+        breaks.setdefault(brk.node_index, []).append(brk.reason)
+    leaf_outputs = dict(zip(captured.leaf_outputs, captured.leaf_hooks_only))
+    for node_info, node in zip(graph.nodes, record.nodes):
+        if not node.needed:
+            continue
+        reasons = breaks.get(node.index, [])
+        if node.is_leaf:
+            if node.index in leaf_outputs and not leaf_outputs[node.index]:
+                node.detail = "accumulated after the graph by its AccumulateGrad node"
+            elif not reasons:
+                node.detail = "accumulated inside the graph"
+        elif node.index in calls:
+            node.kind = calls[node.index]
+        elif rule_for(node_info).handling is Handling.AOT:
+            node.kind = "aot"
+        else:
+            node.detail = "traced (its call was removed as unused)"
+        if reasons:
+            ran = "" if node.is_leaf else f"the node is {node.kind}; "
+            node.kind = "break"
+            node.detail = ran + "; ".join(reasons)
+    STATE.add_seconds("capture", seconds)
+    STATE.count_reasons("break", (b.reason for b in record.breaks))
+
+
+def capture_compiled(record: CaptureRecord, seconds: float) -> None:
+    """``compiler_fn`` returned a callable after ``seconds``."""
+    record.compile_s = seconds
+    record.outcome = "compiled"
+    STATE.add_seconds("compile", seconds)
+
+
+def capture_failed(record: CaptureRecord, stage: str, reason: str, node: int | None = None) -> None:
+    """The capture, the compiler_fn or the first run failed."""
+    record.outcome = "failed"
+    record.failure_stage = stage
+    record.failure = reason
+    record.failed_node = node
+
+
+def _describe_tensor(value: object) -> str:
+    if not isinstance(value, torch.Tensor):
+        return type(value).__name__
+    dtype = str(value.dtype).removeprefix("torch.")
+    device = "" if value.device.type == "cpu" else f" {value.device}"
+    return f"{dtype}{list(value.shape)}{device}"
+
+
+def _safe_repr(value: object) -> str:
+    try:
+        text = repr(value)
+    except Exception:  # noqa: BLE001 - a user object's repr must not break the backward
+        text = f"<{type(value).__name__} object>"
+    return text if len(text) <= _MAX_REPR else text[: _MAX_REPR - 3] + "..."
+
+
+def first_run_done(
+    record: CaptureRecord,
+    seconds: float,
+    inputs: Sequence[object],
+    scalars: Sequence[object],
+    hooks: Sequence[object],
+    failure: str = "",
+) -> None:
+    """The compiled graph's first call (lazy compilers compile here) took ``seconds``.
+
+    The inputs are at hand only now, so the lifted tensors and the hooks are described here.
+    """
+    record.first_run_s = seconds
+    STATE.add_seconds("first_run", seconds)
+    record.lifted.num_hooks = len(hooks)
+    record.lifted.tensors = [_describe_tensor(t) for t in inputs[:_MAX_LISTED]]
+    record.lifted.scalars = [_safe_repr(s) for s in scalars[:_MAX_LISTED]]
+    for node in record.nodes:
+        for hook in node.hooks:
+            if hook.index is not None and 0 <= hook.index < len(hooks):
+                hook.repr = _safe_repr(hooks[hook.index])
+    if failure:
+        capture_failed(record, "first run", failure)
+    else:
+        record.outcome = "ran"
+
+
+def record_fallback(compiler: str, where: str, reason: str, capture: CaptureRecord | None) -> None:
+    """A backward ran on the eager engine (``EagerFallbackWarning``); ``capture`` is its record, if any."""
+    if capture is not None:
+        capture.ran_eagerly = True
+        for node in capture.nodes:
+            if node.needed:
+                node.detail = f"planned: {node.kind}" + (f" ({node.detail})" if node.detail else "")
+                node.kind = "eager"
+    STATE.add_fallback_record(
+        FallbackRecord(0, _now(), compiler, where, reason, None if capture is None else capture.id)
+    )
+    STATE.count_reasons("fallback", [f"{where}: {reason}"])

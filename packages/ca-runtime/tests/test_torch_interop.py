@@ -1,0 +1,68 @@
+"""Smoke tests of the private torch APIs ca_runtime uses, one per item of _torch_interop.py's list.
+
+A torch upgrade that moves one of them fails here, by name, before any
+behaviour test does.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from ca_runtime import _torch_interop
+
+
+def test_1_disable_is_a_context_manager_we_can_wrap() -> None:
+    _torch_interop.keep_hook_across_torch_disable()
+    module = torch._dynamo.compiled_autograd
+    assert getattr(module._disable, "_ca_rearms", False)
+    with module._disable():
+        pass
+
+
+def test_2_torch_compiled_autograd_state_is_readable_and_rearmable() -> None:
+    assert _torch_interop.torch_compiled_autograd_enabled() is False
+    set_compiler = torch._C._dynamo.compiled_autograd.set_autograd_compiler
+    prior = set_compiler(None, False)
+    assert isinstance(prior, tuple) and len(prior) == 2
+    set_compiler(*prior)
+    _torch_interop.rearm_torch_compiled_autograd()
+
+
+def test_3_call_backward_runs_a_functions_backward() -> None:
+    class Triple(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor) -> torch.Tensor:
+            return x * 3
+
+        @staticmethod
+        def backward(ctx: torch.autograd.function.FunctionCtx, g: torch.Tensor) -> torch.Tensor:
+            return g * 3
+
+    y = Triple.apply(torch.ones(2, requires_grad=True))
+    ctx = y.grad_fn
+    (grad,) = _torch_interop.call_backward(ctx, [], torch.ones(2))  # type: ignore[arg-type]
+    assert torch.equal(grad, torch.full((2,), 3.0))
+    assert list(inspect.signature(_torch_interop.FakeBackwardCFunction).parameters) == [
+        "real",
+        "saved_tensors",
+    ]
+
+
+def test_4_dynamo_trace_rules_tell_skipped_from_inlined() -> None:
+    from torch.utils.checkpoint import checkpoint
+
+    assert not _torch_interop.dynamo_skips(lambda g: g * 2)
+    assert _torch_interop.dynamo_skips(checkpoint)
+
+
+def test_5_aot_internals_are_where_aot_py_reads_them() -> None:
+    from torch._dynamo.compiled_autograd import extract_bw_module
+
+    model = torch.compile(torch.nn.Linear(2, 2), backend="aot_eager")
+    out = model(torch.randn(3, 2))
+    cls = out.grad_fn._forward_cls  # type: ignore[union-attr]
+    for attribute in ("_aot_id", "_bw_prologue_fn", "metadata", "maybe_subclass_metadata"):
+        assert hasattr(cls, attribute), attribute
+    assert hasattr(cls.metadata, "is_rng_op_functionalized")
+    assert isinstance(extract_bw_module(cls), torch.fx.GraphModule)
