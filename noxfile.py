@@ -48,8 +48,12 @@ TESTKIT_EXTRAS = ("expecttest", "hypothesis>=6")
 
 @nox.session(python="3.11")
 def tests(session: nox.Session) -> None:
-    """Builds the three packages and runs every package's tests (pytest-xdist, -n auto)."""
-    _install(session, "numpy", "pytest>=8", "pytest-xdist>=3", *TESTKIT_EXTRAS)
+    """Builds the three packages and runs every package's tests (pytest-xdist, -n auto).
+
+    selenium is installed so that the report's browser test runs where Debian's chromium and chromium-driver are
+    (about 5 s); without them it skips saying so (``nox -s browser`` installs them).
+    """
+    _install(session, "numpy", "pytest>=8", "pytest-xdist>=3", "selenium", *TESTKIT_EXTRAS)
     _run_tests(session)
 
 
@@ -127,8 +131,7 @@ def browser(session: nox.Session) -> None:
     """ca_runtime.report()'s page in headless Chromium (Selenium): no JavaScript error, every section present.
 
     Installs selenium, and Debian's chromium and chromium-driver with apt-get when ``chromium`` is missing
-    (best effort: without them the test is skipped). Also collected by ``nox -s tests``, where it skips
-    unless selenium and chromium are there.
+    (best effort: without them the test is skipped). ``nox -s tests`` runs it too when chromium is there.
     """
     missing = shutil.which("chromium") is None or shutil.which("chromedriver") is None
     if missing and shutil.which("apt-get") is not None:

@@ -89,6 +89,9 @@ class Capture:
     #: in the graph] in ca_core).
     leaf_hooks_only: list[bool] = field(default_factory=list)
     graph_breaks: list[GraphBreak] = field(default_factory=list)
+    #: How each node that runs (not AccumulateGrad) was taken, by walk index:
+    #: TRACE, FUNCTION, AOT or BREAK (a probe or a failed AOT copy resolved).
+    handlings: dict[int, Handling] = field(default_factory=dict)
 
 
 #: Calls that run user code or mutate state: kept even when their result is unused.
@@ -289,7 +292,8 @@ class _GraphBuilder:
         self.fx.output(self._grad_outputs + self._leaf_grads)
         self.fx.eliminate_dead_code(is_impure_node=_is_impure)
         graph_module = torch.fx.GraphModule(self.root, self.fx, "CompiledBackward")
-        return Capture(graph_module, self.leaf_outputs, self.leaf_hooks_only, self.graph_breaks)
+        handlings = {index: handling for index, (handling, _) in self._handlings.items()}
+        return Capture(graph_module, self.leaf_outputs, self.leaf_hooks_only, self.graph_breaks, handlings)
 
     def _visit(self, node: ca_core.NodeInfo) -> None:
         buffer = self._buffers.pop(node.index, None) or [None] * node.num_inputs
@@ -386,6 +390,7 @@ class _GraphBuilder:
                 )
             except NotCopyable as e:
                 handling, why = Handling.BREAK, f"the backward of a torch.compile'd region runs eagerly: {e}"
+                self._handlings[node.index] = (handling, why)
             else:
                 outputs = self._validated(node, outputs)
         if handling is not Handling.AOT:

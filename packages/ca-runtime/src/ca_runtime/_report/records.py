@@ -8,17 +8,15 @@ latest ``REPORT_LIMIT`` captures and fallbacks, see ``_state.py``).
 
 [Note: How a node ran]
 The drawing colours each node of a captured backward by how it ran. The
-capture decides per node (``_capture.py``); the record derives the same answer
-from what the capture produced, without re-deciding anything:
+capture decides per node (``_capture.py``) and says so in ``Capture.handlings``;
+the record only translates that, without re-deciding anything:
 
-- the FX call named after the node (``node.meta["walk_index"]``): ``apply_node``
-  is *traced*, ``call_function_backward`` a Python *Function* backward traced
-  from the graph, ``apply_with_saved_eager`` a graph *break*;
+- TRACE is *traced*, FUNCTION a Python *Function* backward traced from the
+  graph, AOT a compiled region's backward copied in (*aot*), BREAK a graph
+  *break*;
 - a node listed in the capture's ``graph_breaks`` (also for a retain_grad or C++
   hook on a traced node) is a *break*;
-- a node with no call of its own whose rule is AOT had its compiled region's
-  backward copied in (*aot*); AccumulateGrad nodes are *leaf*, nodes the
-  backward does not need *unused*;
+- AccumulateGrad nodes are *leaf*, nodes the backward does not need *unused*;
 - every node of a backward that fell back (capture, compile or first run
   failed, then eager ran it) ran *eager*.
 
@@ -33,13 +31,12 @@ import re
 import threading
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import ca_core
 import torch
 
-from ca_runtime import _graph_ops as ops
-from ca_runtime._node_rules import Handling, rule_for
+from ca_runtime._node_rules import Handling
 from ca_runtime._state import STATE
 
 if TYPE_CHECKING:
@@ -264,11 +261,12 @@ def miss_category(miss_node: int | None, miss_reason: str) -> str:
     return "; ".join(parts) or "a specialised value changed"
 
 
-#: FX call targets that run one autograd node, by how it runs.
-_CALL_KINDS: dict[Any, str] = {
-    ops.apply_node: "traced",
-    ops.call_function_backward: "function",
-    ops.apply_with_saved_eager: "break",
+#: How a node ran in the report, by how the capture took it.
+_KIND_OF_HANDLING: dict[Handling, str] = {
+    Handling.TRACE: "traced",
+    Handling.FUNCTION: "function",
+    Handling.AOT: "aot",
+    Handling.BREAK: "break",
 }
 
 
@@ -279,16 +277,11 @@ def capture_built(
     record.capture_s = seconds
     record.code = captured.graph_module.code
     record.breaks = [BreakRecord(b.node_index, b.node_name, b.reason) for b in captured.graph_breaks]
-    calls: dict[int, str] = {}
-    for fx_node in captured.graph_module.graph.nodes:
-        index = fx_node.meta.get("walk_index")
-        if fx_node.op == "call_function" and index is not None and fx_node.target in _CALL_KINDS:
-            calls[index] = _CALL_KINDS[fx_node.target]
     breaks: dict[int, list[str]] = {}
     for brk in captured.graph_breaks:
         breaks.setdefault(brk.node_index, []).append(brk.reason)
     leaf_outputs = dict(zip(captured.leaf_outputs, captured.leaf_hooks_only))
-    for node_info, node in zip(graph.nodes, record.nodes):
+    for node in record.nodes:
         if not node.needed:
             continue
         reasons = breaks.get(node.index, [])
@@ -297,12 +290,8 @@ def capture_built(
                 node.detail = "accumulated after the graph by its AccumulateGrad node"
             elif not reasons:
                 node.detail = "accumulated inside the graph"
-        elif node.index in calls:
-            node.kind = calls[node.index]
-        elif rule_for(node_info).handling is Handling.AOT:
-            node.kind = "aot"
-        else:
-            node.detail = "traced (its call was removed as unused)"
+        elif node.index in captured.handlings:
+            node.kind = _KIND_OF_HANDLING.get(captured.handlings[node.index], node.kind)
         if reasons:
             ran = "" if node.is_leaf else f"the node is {node.kind}; "
             node.kind = "break"
