@@ -34,7 +34,7 @@ import ca_runtime
 import torch
 import torch._inductor.codecache
 import torch._inductor.config
-from torch._dynamo import compiled_autograd as torch_ca
+from ca_testkit.implementations import IMPLEMENTATIONS, as_compiler, get_implementation
 from torch._dynamo.utils import counters
 
 IMPLS = ("eager", "torch", "ours")
@@ -53,7 +53,8 @@ class Workload:
 
 
 def backend(name: str) -> Compiler:
-    return lambda gm: torch.compile(gm, backend=name)
+    """The same compiler_fn object for ours and torch's (a backend name would give each its own)."""
+    return as_compiler(name)
 
 
 def no_work(gm: torch.fx.GraphModule) -> Callable[..., Any]:
@@ -67,11 +68,9 @@ def implementation(impl: str, compiler: Compiler | None) -> Iterator[None]:
     if impl == "eager":
         with ca_runtime.disable():
             yield
-    elif impl == "ours":
-        with ca_runtime.enable(compiler):
-            yield
     else:
-        with ca_runtime.disable(), torch_ca._enable(compiler):
+        assert compiler is not None
+        with get_implementation({"ours": "ca", "torch": "torch"}[impl]).enable(compiler):
             yield
 
 
@@ -279,8 +278,8 @@ _CACHE_ROOT = tempfile.TemporaryDirectory(prefix="ca_bench_")
 def reset_all() -> None:
     """Empties every cache, Inductor's on-disk ones too: each first backward compiles cold."""
     torch._dynamo.reset()
-    ca_runtime.reset()
-    torch_ca.reset()
+    for impl in IMPLEMENTATIONS.values():
+        impl.reset()
     counters.clear()
     # A fresh Inductor cache directory, so that the implementation measured
     # second does not reuse kernels the first one compiled.
@@ -325,6 +324,47 @@ def measure(work: Workload, iters: int, warmup: int = 3) -> dict[str, Any]:
     row["ours_over_eager"] = med["ours"] / med["eager"]
     row["ours_over_torch"] = med["ours"] / med["torch"]
     return row
+
+
+def report_overhead(iters: int) -> dict[str, Any]:
+    """What ``ca_runtime.report()``'s collection costs on the cache-hit path.
+
+    The report records on misses only; on a hit, with timings off (the
+    default), the engine hook reads one flag. Ours is timed with timings off
+    and on (``collect_timings``), interleaved, on the chain of 1000 nodes with
+    the no-work compiled function (where per-backward overhead is largest)
+    and on the MLP with aot_eager.
+    """
+    out: dict[str, Any] = {}
+    for work, compiler in ((chain(1000), no_work), (mlp(), backend("aot_eager"))):
+        work.compiler = compiler
+        reset_all()
+        for _ in range(5):
+            time_backward(work, "ours")
+        times: dict[str, list[float]] = {"eager": [], "timings off": [], "timings on": []}
+        for _ in range(iters):
+            times["eager"].append(time_backward(work, "eager"))
+            times["timings off"].append(time_backward(work, "ours"))
+            ca_runtime.collect_timings(True)
+            times["timings on"].append(time_backward(work, "ours"))
+            ca_runtime.collect_timings(False)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        out[work.name] = {"median_s": med, "on_over_off": med["timings on"] / med["timings off"]}
+    return out
+
+
+def report_overhead_markdown(r: dict[str, Any]) -> str:
+    lines = [
+        "| workload | eager us | ours, timings off us | ours, timings on us | on/off |",
+        "|---|---|---|---|---|",
+    ]
+    for name, row in r.items():
+        m = row["median_s"]
+        lines.append(
+            f"| {name} | {m['eager'] * 1e6:.0f} | {m['timings off'] * 1e6:.0f} | "
+            f"{m['timings on'] * 1e6:.0f} | {row['on_over_off']:.3f} |"
+        )
+    return "\n".join(lines) + "\n"
 
 
 def batch_sweep(compiler: Compiler, sizes: tuple[int, ...] = (4, 8, 16, 32, 8, 64)) -> dict[str, Any]:
@@ -415,13 +455,21 @@ def main() -> None:
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--quick", action="store_true", help="aot_eager instead of inductor for the models")
     parser.add_argument(
-        "--only", choices=("training",), help="run one workload alone: the compiled training step"
+        "--only",
+        choices=("training", "report-overhead"),
+        help="run one workload alone: the compiled training step, or the report's cost on cache hits",
     )
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch._inductor.config.fx_graph_cache = False  # first backwards compile cold; see reset_all()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+
+    if args.only == "report-overhead":
+        overhead = report_overhead(args.iters)
+        (out / "report_overhead.json").write_text(json.dumps(overhead, indent=1))
+        print(report_overhead_markdown(overhead))
+        return
 
     training = compiled_training_step(args.iters)
     print(training_markdown(training), flush=True)

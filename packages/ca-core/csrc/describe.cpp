@@ -162,8 +162,6 @@ struct BackwardGraph {
   uint32_t num_sizes = 0;
   /// Length of the graph's `scalars` list.
   uint32_t num_scalars = 0;
-  /// retain_graph / create_graph of the backward.
-  bool keep_graph = false;
   /// Grad mode during the backward (create_graph=True).
   bool create_graph = false;
   /// False for torch.autograd.grad.
@@ -256,7 +254,6 @@ nb::object describe_backward(const BackwardState& state, uint64_t entry_id) {
   graph.entry_id = entry_id;
   graph.num_outputs = state.num_outputs;
   graph.num_tensors = static_cast<uint32_t>(state.lifted_tensors.size());
-  graph.keep_graph = state.keep_graph;
   graph.create_graph = state.create_graph;
   graph.accumulate_grad = state.accumulate_grad;
   graph.dynamic_sizes = state.dynamic_sizes;
@@ -424,7 +421,6 @@ void register_describe(nb::module_& m) {
       .def_ro("num_tensors", &BackwardGraph::num_tensors)
       .def_ro("num_sizes", &BackwardGraph::num_sizes)
       .def_ro("num_scalars", &BackwardGraph::num_scalars)
-      .def_ro("keep_graph", &BackwardGraph::keep_graph)
       .def_ro("create_graph", &BackwardGraph::create_graph)
       .def_ro("accumulate_grad", &BackwardGraph::accumulate_grad)
       .def_ro("dynamic_sizes", &BackwardGraph::dynamic_sizes)

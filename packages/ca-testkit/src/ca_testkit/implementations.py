@@ -15,12 +15,13 @@ from typing import Any
 
 import torch
 
-__all__ = ["IMPLEMENTATIONS", "Implementation", "get_implementation"]
+__all__ = ["IMPLEMENTATIONS", "Implementation", "as_compiler", "get_implementation"]
 
 CompilerFn = Callable[[torch.fx.GraphModule], Callable[..., Any]]
 
 
-def _as_compiler(compiler_fn: CompilerFn | str) -> CompilerFn:
+def as_compiler(compiler_fn: CompilerFn | str) -> CompilerFn:
+    """A backend name as a compiler_fn (``torch.compile(gm, backend=name)``); a callable unchanged."""
     if isinstance(compiler_fn, str):
         backend = compiler_fn
         return lambda gm: torch.compile(gm, backend=backend)
@@ -60,7 +61,7 @@ def _torch_enable(compiler_fn: CompilerFn | str) -> Iterator[None]:
     import ca_runtime
 
     # Ours must not be installed underneath torch's.
-    with ca_runtime.disable(), torch._dynamo.compiled_autograd._enable(_as_compiler(compiler_fn)):
+    with ca_runtime.disable(), torch._dynamo.compiled_autograd._enable(as_compiler(compiler_fn)):
         yield
 
 
