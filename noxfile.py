@@ -127,6 +127,30 @@ def fuzz(session: nox.Session) -> None:
 
 
 @nox.session(python="3.11", default=False)
+def parity(session: nox.Session) -> None:
+    """The parity suite (parity/) under --ca-wrap=eager and =aot_eager; writes parity/results/{eager,aot_eager}.json.
+
+    Each run lists the tests that behave differently under compiled autograd. The expected differences (by design,
+    or known bugs) fail their wrapped runs, so pytest's exit status 1 does not stop the session; the expected set is
+    checked by packages/ca-testkit/tests/test_parity_suite.py (eager backend). About half a minute per backend. Extra arguments go to both pytest runs (e.g. ``nox -s parity -- -k hook``).
+    """
+    _install(session, "pytest>=8")
+    session.run("mkdir", "-p", "parity/results", external=True)
+    for backend in ("eager", "aot_eager"):
+        session.run(
+            "pytest",
+            "parity",
+            f"--ca-wrap={backend}",
+            "-p",
+            "no:cacheprovider",
+            f"--ca-wrap-json=parity/results/{backend}.json",
+            "-q",
+            *session.posargs,
+            success_codes=[0, 1],
+        )
+
+
+@nox.session(python="3.11", default=False)
 def browser(session: nox.Session) -> None:
     """ca_runtime.report()'s page in headless Chromium (Selenium): no JavaScript error, every section present.
 

@@ -24,6 +24,7 @@ import dataclasses
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -326,6 +327,74 @@ def measure(work: Workload, iters: int, warmup: int = 3) -> dict[str, Any]:
     return row
 
 
+def _rss_kib() -> dict[str, int]:
+    """VmHWM (peak resident set) and VmRSS of this process, in KiB."""
+    with open("/proc/self/status") as f:
+        return {line.split(":")[0]: int(line.split()[1]) for line in f if line.startswith(("VmHWM", "VmRSS"))}
+
+
+def backward_peak_bytes(loss: torch.Tensor) -> tuple[int, int]:
+    """(peak, end) resident memory during ``loss.backward()``, in bytes above its start.
+
+    The kernel's peak-RSS counter is reset first (``/proc/self/clear_refs``).
+    ``--only memory`` runs with ``MALLOC_MMAP_THRESHOLD_=65536`` so that every
+    tensor buffer is its own mapping and a free returns it to the system at
+    once: RSS then follows live tensor bytes. Eager frees each node's saved
+    tensors as soon as the node has run, which keeps its peak down.
+    """
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    start = _rss_kib()["VmRSS"]
+    loss.backward()
+    after = _rss_kib()
+    return (after["VmHWM"] - start) * 1024, (after["VmRSS"] - start) * 1024
+
+
+def memory_peaks(compiler_name: str = "aot_eager") -> dict[str, Any]:
+    """Peak memory of one warm backward, eager / torch's / ours, on the transformer and a GPT-style decoder."""
+    torch.manual_seed(0)
+    decoder = Decoder(d=384, heads=6, layers=6)
+    tokens = torch.randint(0, 512, (8, 64))
+    workloads = [
+        transformer(),
+        Workload("GPT-style decoder 6x d384 h6 s64 b8", lambda i: decoder(tokens), None),
+    ]
+    out: dict[str, Any] = {}
+    for work in workloads:
+        work.compiler = backend(compiler_name)
+        row: dict[str, Any] = {}
+        for impl in IMPLS:
+            reset_all()
+            for i in range(3):
+                for p in work.params:
+                    p.grad = None
+                loss = work.forward(i)
+                with implementation(impl, work.compiler):
+                    if i < 2:
+                        loss.backward()
+                    else:
+                        peak, end = backward_peak_bytes(loss)
+            row[impl] = {"peak_bytes": peak, "end_bytes": end}
+        out[work.name] = row
+    return out
+
+
+def memory_markdown(r: dict[str, Any], compiler_name: str = "aot_eager") -> str:
+    lines = [
+        f"Peak resident memory of one backward above its start, MiB (compiler {compiler_name}):",
+        "",
+        "| workload | eager | torch | ours | ours/eager |",
+        "|---|---|---|---|---|",
+    ]
+    for name, row in r.items():
+        mib = {impl: row[impl]["peak_bytes"] / 2**20 for impl in IMPLS}
+        lines.append(
+            f"| {name} | {mib['eager']:.2f} | {mib['torch']:.2f} | {mib['ours']:.2f} | "
+            f"{mib['ours'] / mib['eager']:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def report_overhead(iters: int) -> dict[str, Any]:
     """What ``ca_runtime.report()``'s collection costs on the cache-hit path.
 
@@ -456,8 +525,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="aot_eager instead of inductor for the models")
     parser.add_argument(
         "--only",
-        choices=("training", "report-overhead"),
-        help="run one workload alone: the compiled training step, or the report's cost on cache hits",
+        choices=("training", "report-overhead", "memory"),
+        help="run one measurement alone: the compiled training step, the report's cost on cache hits, "
+        "or the peak memory of a backward",
     )
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -465,6 +535,16 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
+    if args.only == "memory":
+        if os.environ.get("MALLOC_MMAP_THRESHOLD_") != "65536":
+            # See backward_peak_bytes: glibc reads this at start-up only.
+            os.execve(
+                sys.executable, [sys.executable, *sys.argv], {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+            )
+        peaks = memory_peaks()
+        (out / "memory.json").write_text(json.dumps(peaks, indent=1))
+        print(memory_markdown(peaks))
+        return
     if args.only == "report-overhead":
         overhead = report_overhead(args.iters)
         (out / "report_overhead.json").write_text(json.dumps(overhead, indent=1))

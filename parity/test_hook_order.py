@@ -46,13 +46,6 @@ def test_hooks_on_one_tensor_chain_in_registration_order() -> None:
     assert torch.equal(x.grad, torch.tensor([12.0, 12.0]))
 
 
-def test_hook_returning_a_modified_grad_changes_the_leaf_grad() -> None:
-    x = _leaf(1.0, 2.0, 3.0)
-    x.register_hook(lambda grad: grad * 10)
-    (x * x).sum().backward()
-    assert torch.equal(x.grad, torch.tensor([20.0, 40.0, 60.0]))
-
-
 def test_hook_on_a_view_sees_and_changes_the_views_grad_only() -> None:
     seen: list[list[float]] = []
     x = _leaf(1.0, 2.0, 3.0, 4.0)
@@ -124,15 +117,14 @@ def test_post_accumulate_grad_hook_updating_the_parameter_in_backward() -> None:
 
     def sgd_step(leaf: torch.Tensor) -> None:
         with torch.no_grad():
-            leaf.sub_(0.5 * leaf.grad)
+            leaf.sub_(0.25 * leaf.grad)
         leaf.grad = None
 
     w.register_post_accumulate_grad_hook(sgd_step)
     for _ in range(2):
-        (w * w).sum().backward()
+        (w * w).sum().backward()  # grad 2 * w: each step halves w
     assert w.grad is None
-    # 1 - 0.5 * 2 = 0 and 2 - 0.5 * 4 = 0 after the first step; 0 stays 0.
-    assert torch.equal(w.detach(), torch.tensor([0.0, 0.0]))
+    assert torch.equal(w.detach(), torch.tensor([0.25, 0.5]))
 
 
 def test_a_reference_to_grad_kept_from_the_last_step_sees_the_accumulation() -> None:
@@ -142,7 +134,7 @@ def test_a_reference_to_grad_kept_from_the_last_step_sees_the_accumulation() -> 
     (w * 2).sum().backward()
     first_grad = w.grad
     (w * 2).sum().backward()
-    assert w.grad is first_grad
+    assert w.grad is first_grad, "the second backward replaced .grad instead of accumulating into it"
     assert torch.equal(first_grad, torch.tensor([4.0, 4.0]))
 
 
@@ -192,19 +184,6 @@ def test_module_backward_hooks_run_from_the_last_layer_back() -> None:
     x = torch.ones(2, 3, requires_grad=True)
     model(x).sum().backward()
     assert calls == ["pre 2", "full 2", "pre 0", "full 0"]
-
-
-def test_module_backward_pre_hook_scaling_the_output_grad() -> None:
-    torch.manual_seed(0)
-    layer = torch.nn.Linear(2, 2)
-    seen: list[int] = []
-    layer.register_full_backward_pre_hook(lambda module, grad_output: (grad_output[0] * 2,))
-    layer.register_full_backward_hook(lambda module, gi, go: seen.append(len(gi)))
-    x = torch.ones(1, 2, requires_grad=True)
-    layer(x).sum().backward()
-    assert seen == [1]
-    assert torch.allclose(x.grad, 2 * layer.weight.detach().sum(0, keepdim=True))
-    assert torch.equal(layer.bias.grad, torch.tensor([2.0, 2.0]))
 
 
 def test_removed_hooks_do_not_run_on_the_next_step() -> None:
@@ -260,7 +239,7 @@ def test_every_hook_kind_on_one_graph_in_eagers_order() -> None:
         "x hook",
         "x post accumulate",
     ]
-    assert hidden.grad is not None and x.grad is not None
+    assert torch.allclose(x.grad, 2 * hidden.grad[0])
 
 
 def test_multi_grad_hook_sees_every_grad_once() -> None:

@@ -33,16 +33,6 @@ def test_second_backward_without_retain_graph_raises() -> None:
     assert torch.equal(x.grad, torch.tensor([2.0, 4.0]))
 
 
-def test_retained_then_released_graph_raises_on_the_third_backward() -> None:
-    x = _leaf(3.0)
-    loss = x.exp().sum()
-    loss.backward(retain_graph=True)
-    loss.backward()
-    with pytest.raises(RuntimeError, match=SECOND_TIME):
-        loss.backward()
-    assert torch.allclose(x.grad, 2 * x.detach().exp())
-
-
 def test_hooks_run_on_every_backward_of_a_retained_graph() -> None:
     calls: list[str] = []
     x = _leaf(1.0, 2.0)
@@ -69,18 +59,6 @@ def test_autograd_grad_with_retain_graph_twice_leaves_grad_fields_alone() -> Non
         torch.autograd.grad(loss, (x,))
 
 
-def test_autograd_grad_of_an_unused_input_raises_unless_allowed() -> None:
-    x = _leaf(1.0)
-    unused = _leaf(2.0)
-    loss = (x * 3).sum()
-    with pytest.raises(RuntimeError, match="index 1 appears to not have been used in the graph"):
-        torch.autograd.grad(loss, (x, unused), retain_graph=True)
-    grads = torch.autograd.grad(loss, (x, unused), allow_unused=True)
-    assert torch.equal(grads[0], torch.tensor([3.0])) and grads[1] is None
-    grads = torch.autograd.grad((x * 3).sum(), (x, unused), materialize_grads=True)
-    assert torch.equal(grads[1], torch.tensor([0.0]))
-
-
 def test_grad_of_grad_with_create_graph() -> None:
     x = _leaf(1.0, 2.0)
     (first,) = torch.autograd.grad((x**3).sum(), x, create_graph=True)
@@ -88,16 +66,6 @@ def test_grad_of_grad_with_create_graph() -> None:
     assert torch.equal(first, 3 * x.detach() ** 2)
     (second,) = torch.autograd.grad(first.sum(), x)
     assert torch.equal(second, 6 * x.detach())
-
-
-def test_third_derivative_through_three_create_graph_backwards() -> None:
-    x = _leaf(2.0)
-    grad = x.sin()
-    derivatives = []
-    for _ in range(3):
-        (grad,) = torch.autograd.grad(grad.sum(), x, create_graph=True)
-        derivatives.append(grad.item())
-    assert derivatives == pytest.approx([x.cos().item(), -x.sin().item(), -x.cos().item()])
 
 
 def test_hessian_vector_product_accumulates_into_grad() -> None:
@@ -109,9 +77,11 @@ def test_hessian_vector_product_accumulates_into_grad() -> None:
     assert x.grad.grad_fn is None
 
 
-def test_backward_with_create_graph_gives_a_differentiable_grad_and_warns() -> None:
+def test_backward_with_create_graph_gives_a_differentiable_grad() -> None:
     x = _leaf(1.0, 2.0)
-    with pytest.warns(UserWarning, match="create_graph=True will create a reference cycle"):
+    with warnings.catch_warnings():
+        # torch warns about the reference cycle once per process, so the warning itself is not asserted.
+        warnings.simplefilter("ignore", UserWarning)
         (x**3).sum().backward(create_graph=True)
     assert x.grad.requires_grad and x.grad.grad_fn is not None
     (penalty,) = torch.autograd.grad(x.grad.sum(), x)
@@ -125,7 +95,7 @@ def test_hooks_see_grad_mode_as_create_graph_sets_it() -> None:
     y.register_hook(lambda grad: seen.append((torch.is_grad_enabled(), grad.requires_grad)))
     y.sum().backward(retain_graph=True)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # the reference-cycle warning of create_graph
+        warnings.simplefilter("ignore", UserWarning)  # create_graph's reference-cycle warning
         y.sum().backward(create_graph=True)
     assert seen == [(False, False), (True, False)]
     assert x.grad.requires_grad

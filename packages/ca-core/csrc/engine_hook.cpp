@@ -117,6 +117,10 @@ variable_list run_eager(
   auto future = Engine::get_default_engine().execute_with_graph_task(
       task, root, InputBuffer(variable_list()));
   future->wait();
+  // Warnings nodes raised on the engine's threads (anomaly mode's forward
+  // traceback among them) were held by the task; Engine::execute replays
+  // them after the wait, which the compiled-autograd path skips.
+  task->warning_handler_.replay_warnings();
   return future->value().toTensorVector();
 }
 

@@ -1,0 +1,156 @@
+"""Saved tensors: saved_tensors_hooks, save_on_cpu, and how long saved tensors, nodes and ctx live."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+FREED = "Trying to backward through the graph a second time"
+
+
+def _leaf(*values: float) -> torch.Tensor:
+    return torch.tensor(values, requires_grad=True)
+
+
+class Cube(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        ctx.payload = torch.zeros(4)
+        return x**3
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return 3 * x * x * grad
+
+
+def test_pack_hooks_run_in_forward_and_unpack_hooks_in_backward() -> None:
+    calls: list[str] = []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        calls.append(f"pack {tensor.tolist()}")
+        return tensor
+
+    def unpack(tensor: torch.Tensor) -> torch.Tensor:
+        calls.append(f"unpack {tensor.tolist()}")
+        return tensor
+
+    x = _leaf(1.0, 2.0)
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        y = x.sin()
+    calls.append("backward")
+    y.sum().backward()
+    assert calls == ["pack [1.0, 2.0]", "backward", "unpack [1.0, 2.0]"]
+    assert torch.allclose(x.grad, x.detach().cos())
+
+
+def test_unpack_hook_result_is_what_the_backward_uses() -> None:
+    x = _leaf(1.0, 2.0)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t * 10):
+        y = x * x
+    y.sum().backward()
+    assert torch.equal(x.grad, 2 * 10 * x.detach())
+
+
+def test_saved_tensors_hooks_on_a_custom_functions_save_for_backward() -> None:
+    calls: list[str] = []
+    x = _leaf(2.0)
+    with torch.autograd.graph.saved_tensors_hooks(
+        lambda t: calls.append("pack") or t, lambda t: calls.append("unpack") or t
+    ):
+        y = Cube.apply(x)
+    y.sum().backward()
+    assert calls == ["pack", "unpack"]
+    assert torch.equal(x.grad, torch.tensor([12.0]))
+
+
+def test_save_on_cpu_gives_eagers_grads() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
+    x = torch.randn(2, 3)
+    model(x).sum().backward()
+    reference = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    with torch.autograd.graph.save_on_cpu(pin_memory=False):
+        out = model(x).sum()
+    out.backward()
+    assert all(torch.allclose(p.grad, r) for p, r in zip(model.parameters(), reference))
+
+
+def test_saved_intermediate_is_freed_by_the_backward() -> None:
+    x = _leaf(1.0, 2.0)
+    y = x * 2
+    out = y.sin().sum()  # SinBackward0 saves y
+    y_ref = weakref.ref(y)
+    del y
+    assert y_ref() is not None
+    out.backward()
+    assert y_ref() is None
+
+
+def test_saved_intermediate_stays_alive_with_retain_graph() -> None:
+    x = _leaf(1.0, 2.0)
+    y = x * 2
+    out = y.sin().sum()
+    y_ref = weakref.ref(y)
+    del y
+    out.backward(retain_graph=True)
+    assert y_ref() is not None
+    del out
+    gc.collect()
+    assert y_ref() is None
+
+
+class _Marker:
+    """An object hung on a node's metadata: it dies with the node."""
+
+
+def test_graph_nodes_are_freed_with_the_output() -> None:
+    x = _leaf(1.0, 2.0)
+    hidden = x.exp()
+    out = (hidden * 3).sum()
+    marker = _Marker()
+    hidden.grad_fn.metadata["marker"] = marker
+    marker_ref = weakref.ref(marker)
+    del marker
+    out.backward()
+    assert marker_ref() is not None
+    del hidden, out
+    assert marker_ref() is None
+
+
+def test_custom_function_ctx_and_its_attributes_are_freed_after_backward() -> None:
+    x = _leaf(1.0, 2.0)
+    y = Cube.apply(x * 1)
+    ctx_ref = weakref.ref(y.grad_fn)
+    payload_ref = weakref.ref(y.grad_fn.payload)
+    y.sum().backward()
+    del y
+    assert ctx_ref() is None, "the ctx is still alive after the backward and the output are gone"
+    assert payload_ref() is None, "a tensor held by the ctx is still alive"
+    assert torch.equal(x.grad, torch.tensor([3.0, 12.0]))
+
+
+def test_saved_self_is_readable_before_backward_and_raises_after() -> None:
+    x = _leaf(1.0, 2.0)
+    y = x * 1
+    out = y.sin()
+    assert torch.equal(out.grad_fn._saved_self, y)
+    out.sum().backward()
+    with pytest.raises(RuntimeError, match=FREED):
+        out.grad_fn._saved_self  # noqa: B018
+
+
+def test_unpack_hook_after_the_graph_was_freed_is_not_called() -> None:
+    unpacked: list[str] = []
+    x = _leaf(1.0)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: unpacked.append("unpack") or t):
+        out = x.cos()
+    out.sum().backward()
+    with pytest.raises(RuntimeError, match=FREED):
+        out.sum().backward()
+    assert unpacked == ["unpack"]
