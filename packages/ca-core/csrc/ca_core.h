@@ -208,6 +208,9 @@ struct ShadowNode {
   /// Per leaf output: accumulated by the graph, only its grad_fn post hooks
   /// run after it; see [Note: Leaves accumulated in the graph].
   std::vector<bool> leaf_hooks_only;
+  /// Walk index of each node whose saved tensors are dropped before the
+  /// graph runs on a hit; see [Note: Saved tensors freed early].
+  std::vector<uint32_t> free_early;
 
   /// What the node whose key leads here looked like; see [Note: Explained misses].
   std::unique_ptr<NodeSummary> summary;

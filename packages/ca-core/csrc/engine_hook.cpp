@@ -120,7 +120,7 @@ variable_list run_eager(
   // Warnings nodes raised on the engine's threads (anomaly mode's forward
   // traceback among them) were held by the task; Engine::execute replays
   // them after the wait, which the compiled-autograd path skips.
-  task->warning_handler_.replay_warnings();
+  torch_private::replay_warnings(task->warning_handler_);
   return future->value().toTensorVector();
 }
 
@@ -242,13 +242,15 @@ void run_final_callbacks(GraphTask& task) {
   }
 }
 
-/// What capture() returns: (compiled, leaf_outputs, leaf_hooks_only).
+/// What capture() returns: (compiled, leaf_outputs, leaf_hooks_only[, free_early]).
 struct Captured {
   nb::object compiled;
   std::vector<uint32_t> leaf_outputs;
   /// Per leaf output: the graph accumulated it; only its post hooks run.
   /// Empty when none is (the common case), so a cache hit copies nothing.
   std::vector<bool> hooks_only;
+  /// See [Note: Saved tensors freed early].
+  std::vector<uint32_t> free_early;
 };
 
 /// The tuple capture() returns, or nullopt for None.
@@ -256,14 +258,16 @@ std::optional<Captured> unpack_capture(nb::handle result) {
   if (result.is_none()) {
     return std::nullopt;
   }
-  nb::tuple triple = nb::cast<nb::tuple>(result);
+  nb::tuple returned = nb::cast<nb::tuple>(result);
+  const size_t n = nb::len(returned);
   TORCH_CHECK(
-      nb::len(triple) == 3,
-      "ca_core: capture() must return (compiled, leaf_outputs, leaf_hooks_only) or None");
+      n == 3 || n == 4,
+      "ca_core: capture() must return (compiled, leaf_outputs, leaf_hooks_only[, free_early]) or None");
   Captured out{
-      nb::borrow(triple[0]),
-      nb::cast<std::vector<uint32_t>>(triple[1]),
-      nb::cast<std::vector<bool>>(triple[2])};
+      nb::borrow(returned[0]),
+      nb::cast<std::vector<uint32_t>>(returned[1]),
+      nb::cast<std::vector<bool>>(returned[2]),
+      n == 4 ? nb::cast<std::vector<uint32_t>>(returned[3]) : std::vector<uint32_t>()};
   if (std::find(out.hooks_only.begin(), out.hooks_only.end(), true) == out.hooks_only.end()) {
     out.hooks_only.clear();
   }
@@ -392,6 +396,51 @@ std::optional<variable_list> walk(
   return std::nullopt;
 }
 
+/*
+[Note: Saved tensors freed early]
+Eager frees each node's saved tensors as soon as the node has run. A
+compiled graph gets them all as inputs at once, so unless every holder lets
+go, they all stay alive until the graph ends, and the peak memory of a
+backward grows by every saved activation (on a GPT-style decoder, ten times
+eager's). On a cache hit without retain_graph, before the graph runs:
+  - the SavedVariables of the nodes the graph traces (capture()'s
+    free_early: not those behind a graph break, which run the real node, nor
+    Python Functions, whose ctx the graph uses) have their data reset, and
+    those nodes' own lists of lifted tensors (collected->tensor_args.inputs)
+    are emptied in place (same length, undefined tensors);
+  - the walk's lifted_tensors are dropped; the graph's `inputs` list is then
+    the only holder left;
+  - ca_runtime marks `inputs` as a local Dynamo may steal
+    (set_locals_to_steal), so Dynamo and AOTAutograd take the list's items
+    over and free each one after its last use, as for torch's own compiled
+    autograd.
+A node whose values are dropped so can still be traced again (Dynamo
+recompiling on a guard failure during the hit): apply_with_saved swaps the
+graph's values into the SavedVariables it looks up by address, and
+ProxyValues finds each value's slot by position, without the dropped
+tensors. It can no longer run eagerly, which a hit never asks of it: eager
+fallbacks only follow a capture or a failed first run, where nothing was
+dropped. Enabled per entry after its first run.
+*/
+void free_saved_early(BackwardState& state, const std::vector<uint32_t>& free_early) {
+  if (free_early.empty()) {
+    return;
+  }
+  for (uint32_t idx : free_early) {
+    NodeState& ns = state.nodes.at(idx);
+    if (!ns.collected || ns.is_accumulate_grad) {
+      continue;
+    }
+    for (const auto* saved : torch_private::lifted_saved_variables(ns.collected->tensor_args)) {
+      const_cast<torch::autograd::SavedVariable*>(saved)->reset_data();
+    }
+    for (auto& t : ns.collected->tensor_args.inputs) {
+      t = at::Tensor();
+    }
+  }
+  state.lifted_tensors.clear();
+}
+
 /// Step 2: hit or miss. Returns the outputs when the entry failed before.
 std::optional<variable_list> lookup(BackwardRun& run) {
   ShadowNode& entry = *run.entry;
@@ -411,6 +460,9 @@ std::optional<variable_list> lookup(BackwardRun& run) {
   run.first_run = entry.first_run;
   run.state->dynamic_sizes = entry.dynamic_sizes;
   run.args.sizes = dynamic_size_args(run.state->dynamic_sizes, run.args.size_values);
+  if (!run.first_run && !run.state->keep_graph) {
+    free_saved_early(*run.state, entry.free_early);
+  }
   return std::nullopt;
 }
 
@@ -432,6 +484,7 @@ bool capture(BackwardRun& run) {
     entry.compiled_fn = run.compiled;
     entry.leaf_outputs = run.leaf_outputs;
     entry.leaf_hooks_only = run.leaf_hooks_only;
+    entry.free_early = std::move(captured->free_early);
     entry.expected_sizes = run.args.size_values;
     entry.dynamic_sizes = state.dynamic_sizes;
     entry.tensor_shapes = tensor_shapes(state);
@@ -511,8 +564,13 @@ std::optional<variable_list> run_graph(BackwardRun& run, nb::object& result) {
 /// accumulated, saved variables released, final callbacks run.
 variable_list finish(BackwardRun& run, nb::object result) {
   StepTimer timer(g_timings.finish_ns);
-  // Drop our Python references to the inputs before accumulating so that
-  // AccumulateGrad can steal fresh grads as eager does.
+  // Empty the inputs list itself, not only our reference to it: Dynamo may
+  // keep the list of the call that compiled (its graph's example inputs),
+  // which would keep those saved tensors alive. Then drop our Python
+  // references so that AccumulateGrad can steal fresh grads as eager does.
+  if (PyList_SetSlice(run.args.tensors.ptr(), 0, PY_SSIZE_T_MAX, nullptr) != 0) {
+    check_py(nullptr);
+  }
   run.args = GraphArgs();
   BackwardState& state = *run.state;
   variable_list outputs;

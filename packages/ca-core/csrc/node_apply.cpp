@@ -132,11 +132,16 @@ when the node throws, so a node never keeps a reference to a graph value.
 */
 struct ProxyValues {
   ProxyValues(AutogradCompilerCall& collected, const variable_list& tensors, nb::handle scalars)
-      : collected_(collected) {
-    const auto& lifted = collected.tensor_args.inputs;
+      : collected_(collected),
+        // By position, not by looking the tensors up: they may have been
+        // dropped already; see [Note: Saved tensors freed early].
+        slots_(torch_private::tensor_args_by_position(
+            collected.tensor_args,
+            collected.tensor_args.inputs.size())) {
     auto& scalar_args = collected.lifted_ivalue_args.args;
-    for (size_t i = 0; i < lifted.size(); ++i) {
-      collected.tensor_args.lookup(lifted[i]).proxy_tensor = tensors[i];
+    for (size_t i = 0; i < slots_.size(); ++i) {
+      TORCH_INTERNAL_ASSERT(slots_[i] != nullptr);
+      slots_[i]->proxy_tensor = tensors[i];
     }
     if (scalars.is_valid()) {
       nb::sequence values = nb::borrow<nb::sequence>(scalars);
@@ -151,8 +156,8 @@ struct ProxyValues {
     collected.lifted_ivalue_args.next = 0;
   }
   ~ProxyValues() {
-    for (const auto& t : collected_.tensor_args.inputs) {
-      collected_.tensor_args.lookup(t).proxy_tensor = at::Tensor();
+    for (auto* slot : slots_) {
+      slot->proxy_tensor = at::Tensor();
     }
     for (auto& arg : collected_.lifted_ivalue_args.args) {
       arg.proxy = at::IValue::uninitialized();
@@ -163,6 +168,8 @@ struct ProxyValues {
 
  private:
   AutogradCompilerCall& collected_;
+  /// The TensorArg of each lifted tensor, by position.
+  std::vector<torch::dynamo::autograd::TensorArg*> slots_;
 };
 
 /// Runs `ns`'s node on `grads` with its saved tensors replaced by `tensors`,

@@ -64,16 +64,26 @@ struct PrivateMember {
     return Member;
   }
 };
-#define CA_PRIVATE_STASH(TAG, MEMBER)      \
-  struct TAG {                             \
-    friend auto member_of(TAG);            \
-  };                                       \
-  template struct PrivateMember<TAG, &SwapSavedVariables::MEMBER>;
-CA_PRIVATE_STASH(StashedVariables, stashed_variables)
-CA_PRIVATE_STASH(StashedTensors, stashed_tensors)
-CA_PRIVATE_STASH(StashedSymInts, stashed_symints)
-CA_PRIVATE_STASH(StashedIValues, stashed_ivalues)
-#undef CA_PRIVATE_STASH
+/// Names the private member CLASS::MEMBER as `obj.*member_of(TAG{})`.
+#define CA_PRIVATE_MEMBER(TAG, CLASS, MEMBER) \
+  struct TAG {                                \
+    friend auto member_of(TAG);               \
+  };                                          \
+  template struct PrivateMember<TAG, &CLASS::MEMBER>;
+CA_PRIVATE_MEMBER(StashedVariables, SwapSavedVariables, stashed_variables)
+CA_PRIVATE_MEMBER(StashedTensors, SwapSavedVariables, stashed_tensors)
+CA_PRIVATE_MEMBER(StashedSymInts, SwapSavedVariables, stashed_symints)
+CA_PRIVATE_MEMBER(StashedIValues, SwapSavedVariables, stashed_ivalues)
+
+using torch::dynamo::autograd::TensorArg;
+using torch::dynamo::autograd::TensorArgs;
+CA_PRIVATE_MEMBER(TensorArgsArgs, TensorArgs, _args)
+CA_PRIVATE_MEMBER(TensorArgsSavedVariables, TensorArgs, _saved_variables)
+
+using torch::autograd::utils::DelayWarningHandler;
+CA_PRIVATE_MEMBER(HeldWarnings, DelayWarningHandler, warnings_)
+CA_PRIVATE_MEMBER(HeldWarningsMutex, DelayWarningHandler, mutex_)
+#undef CA_PRIVATE_MEMBER
 
 template <typename Stash>
 void put_back(Stash& stash) {
@@ -98,6 +108,35 @@ void restore_swap_stashes(SwapSavedVariables& swap) {
   put_back(swap.*member_of(StashedTensors{}));
   put_back(swap.*member_of(StashedSymInts{}));
   put_back(swap.*member_of(StashedIValues{}));
+}
+
+std::vector<TensorArg*> tensor_args_by_position(TensorArgs& args, size_t count) {
+  std::vector<TensorArg*> out(count, nullptr);
+  for (auto& [_, arg] : args.*member_of(TensorArgsArgs{})) {
+    if (arg.defined() && arg.index() < count) {
+      out[arg.index()] = &arg;
+    }
+  }
+  return out;
+}
+
+std::vector<const torch::autograd::SavedVariable*> lifted_saved_variables(const TensorArgs& args) {
+  std::vector<const torch::autograd::SavedVariable*> out;
+  const auto& saved = args.*member_of(TensorArgsSavedVariables{});
+  out.reserve(saved.size());
+  for (const auto& [sv, _] : saved) {
+    out.push_back(sv);
+  }
+  return out;
+}
+
+size_t replay_warnings(DelayWarningHandler& handler) {
+  std::lock_guard<std::mutex> lock(handler.*member_of(HeldWarningsMutex{}));
+  const auto& held = handler.*member_of(HeldWarnings{});
+  for (const auto& warning : held) {
+    c10::warn(warning);
+  }
+  return held.size();
 }
 
 void add_torch_op(nb::handle ops, const std::string& name, nb::handle fn, bool is_traceable) {
@@ -165,6 +204,22 @@ void register_torch_private(nb::module_& m) {
         return swapped && saved.is_same(t);
       },
       "5. A swapped-in value put back from SwapSavedVariables' private stash.");
+  m.def(
+      "_private_tensor_args",
+      [](const at::Tensor& a, const at::Tensor& b) {
+        TORCH_CHECK(b.defined() && b.grad_fn(), "needs a tensor with a grad_fn");
+        torch::dynamo::autograd::AutogradCompilerCall collected(
+            torch::dynamo::autograd::SizeInput::STATIC);
+        TensorArgs& args = collected.tensor_args;
+        args.add(a);
+        torch::autograd::SavedVariable saved(b, false);
+        args.add(saved, b.grad_fn());
+        const auto by_position = tensor_args_by_position(args, 2);
+        const auto lifted = lifted_saved_variables(args);
+        return by_position[0] == &args.lookup(a) && by_position[1] == &args.lookup(b) &&
+            lifted.size() == 1 && lifted[0] == &saved;
+      },
+      "7. TensorArgs' private maps: TensorArgs by position, lifted SavedVariables.");
   m.def(
       "_private_add_torch_op",
       [](nb::handle ops, const std::string& name, nb::handle fn) { add_torch_op(ops, name, fn, true); },

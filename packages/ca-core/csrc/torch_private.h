@@ -24,6 +24,14 @@
 //   6. torch._dynamo.compiled_autograd.ops.add(name, fn, is_custom_function,
 //      is_traceable), called positionally to share functionals with torch's
 //      compiled autograd; see [Note: Sharing functionals with torch].
+//   7. TensorArgs' private maps (_args: TensorImpl -> TensorArg, and
+//      _saved_variables: SavedVariable -> TensorArg), reached like item 5:
+//      the TensorArg of each lifted tensor by position, without holding the
+//      tensor, and the SavedVariables a node's compiled_args lifted; see
+//      [Note: Saved tensors freed early].
+//   8. DelayWarningHandler's private warnings_ and mutex_: its
+//      replay_warnings() is not exported, and the eager fallback must replay
+//      what the engine's threads held back, as Engine::execute does.
 // Internal but public in the headers, and used directly where needed:
 // GraphTask's fields (exec_info_, dependencies_, final_callbacks_,
 // keep_graph_, thread_locals_), Engine::set_compiled_autograd and
@@ -35,9 +43,11 @@
 #include <nanobind/nanobind.h>
 
 #include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/utils/warnings.h>
 #include <torch/csrc/dynamo/compiled_autograd.h>
 
 #include <string>
+#include <vector>
 
 // 1. Exported by libtorch_python; see the list above.
 c10::impl::PyInterpreter* getPyInterpreter();
@@ -60,6 +70,19 @@ bool is_compiled_args_nyi(const c10::NotImplementedError& e);
 /// 5. Puts back every value `swap` swapped in and did not restore; see
 /// [Note: Restoring a failed swap].
 void restore_swap_stashes(torch::dynamo::autograd::SwapSavedVariables& swap);
+
+/// 7. The TensorArg of each tensor `args` lifted, by position (TensorArg::id
+/// - 1, the index into args.inputs), found without reading args.inputs.
+std::vector<torch::dynamo::autograd::TensorArg*> tensor_args_by_position(
+    torch::dynamo::autograd::TensorArgs& args,
+    size_t count);
+/// 7. The SavedVariables whose tensors `args` lifted (those without unpack hooks).
+std::vector<const torch::autograd::SavedVariable*> lifted_saved_variables(
+    const torch::dynamo::autograd::TensorArgs& args);
+
+/// 8. Re-emits the warnings `handler` held back (DelayWarningHandler::
+/// replay_warnings, which libtorch does not export); returns how many.
+size_t replay_warnings(torch::autograd::utils::DelayWarningHandler& handler);
 
 /// 6. Adds `fn` to torch._dynamo.compiled_autograd.ops as `name`.
 void add_torch_op(nb::handle ops, const std::string& name, nb::handle fn, bool is_traceable);

@@ -6,6 +6,9 @@ behaviour test does.
 
 from __future__ import annotations
 
+import warnings
+
+import ca_core
 import pytest
 import torch
 from ca_core import _C
@@ -64,3 +67,45 @@ def test_6_torch_ops_accepts_a_positional_add() -> None:
     _C._private_add_torch_op(ops, "CaSmokeTest", lambda grads: grads)
     t = torch.ones(1)
     assert ops.CaSmokeTest([t]) == [t]
+
+
+def test_7_tensor_args_private_maps_are_readable() -> None:
+    x = torch.randn(2, requires_grad=True)
+    assert _C._private_tensor_args(torch.randn(2), x * 3)
+
+
+class _EagerOnly:
+    """A runtime for the engine hook that never captures (anomaly mode runs every backward eagerly)."""
+
+    last_failure = ""
+
+    def capture(self, graph: object) -> None:
+        return None
+
+    def run_first(self, *args: object) -> None:
+        return None
+
+    def report_fallback(self, node: str, reason: str) -> None:
+        pass
+
+
+def test_8_warnings_held_by_the_eager_fallback_are_replayed_once() -> None:
+    """A C++ warning raised by a hook on the engine's thread reaches the user once, as in eager."""
+    x = torch.randn(3, requires_grad=True)
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        torch.mul(grad, 3, out=torch.empty(1))  # warns: "An output ... was resized"
+        return grad
+
+    ca_core.install_engine_hook(_EagerOnly())
+    try:
+        with warnings.catch_warnings(record=True) as caught, torch.autograd.set_detect_anomaly(True):
+            warnings.simplefilter("always")
+            y = x * 2
+            y.register_hook(hook)
+            y.sum().backward()
+    finally:
+        ca_core.uninstall_engine_hook()
+    resized = [w for w in caught if "was resized" in str(w.message)]
+    assert len(resized) == 1, [str(w.message) for w in caught]
+    assert ca_core.counters()["eager_fallbacks"] >= 1

@@ -56,7 +56,7 @@ def test_4_dynamo_trace_rules_tell_skipped_from_inlined() -> None:
     assert _torch_interop.dynamo_skips(checkpoint)
 
 
-def test_5_aot_internals_are_where_aot_py_reads_them() -> None:
+def test_6_aot_internals_are_where_aot_py_reads_them() -> None:
     from torch._dynamo.compiled_autograd import extract_bw_module
 
     model = torch.compile(torch.nn.Linear(2, 2), backend="aot_eager")
@@ -66,3 +66,11 @@ def test_5_aot_internals_are_where_aot_py_reads_them() -> None:
         assert hasattr(cls, attribute), attribute
     assert hasattr(cls.metadata, "is_rng_op_functionalized")
     assert isinstance(extract_bw_module(cls), torch.fx.GraphModule)
+
+
+def test_5_dynamo_reads_the_locals_to_steal_mark() -> None:
+    from torch._dynamo.utils import get_locals_to_steal
+
+    gm = torch.fx.symbolic_trace(torch.nn.Identity())
+    _torch_interop.set_locals_to_steal(gm, ["inputs"])
+    assert get_locals_to_steal(gm) == ["inputs"]

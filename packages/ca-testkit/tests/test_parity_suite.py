@@ -26,7 +26,9 @@ README = REPO / "README.md"
 
 # Items of README's "Known differences from eager", quoted (whitespace aside).
 FRESH_GRAD = "A leaf accumulated inside the graph gets a fresh `.grad` tensor each step"
-CURRENT_NODE_IS_NONE = "`torch._C._current_autograd_node()` called from a hook returns `None`"
+CURRENT_NODE_IS_NONE = (
+    "`torch._C._current_autograd_node()` called from a hook or a custom Function's backward returns `None`"
+)
 ANOMALY_RUNS_EAGERLY = "Anomaly mode runs backwards eagerly"
 
 #: Differences by design: test id -> the README known difference it shows.
@@ -41,9 +43,6 @@ BY_DESIGN: dict[str, str] = {
 
 #: Differences that are ca bugs, reported and not fixed yet: test id -> the bug. Remove an entry once fixed.
 KNOWN_BUGS: dict[str, str] = {
-    "parity/test_anomaly.py::test_detect_anomaly_warns_with_the_forward_traceback_of_the_failing_node": (
-        "anomaly mode's eager run drops the engine's buffered warnings ('Error detected in ...')"
-    ),
     "parity/test_function_errors.py::test_ctx_attribute_set_in_backward_is_visible_afterwards": (
         "attributes a Function's backward sets on ctx land on torch's FakeBackwardCFunction wrapper and are lost"
     ),

@@ -23,8 +23,13 @@ class EngineRuntime(Protocol):
     #: Why the last capture or first run failed (stored on the failed cache entry).
     last_failure: str
 
-    def capture(self, graph: BackwardGraph) -> tuple[Callable[..., Any], list[int], list[bool]] | None:
-        """Build and compile the graph of a walked backward, or None to run it eagerly."""
+    def capture(
+        self, graph: BackwardGraph
+    ) -> tuple[Callable[..., Any], list[int], list[bool], list[int]] | None:
+        """Build and compile the graph of a walked backward, or None to run it eagerly.
+
+        Returns (compiled, leaf_outputs, leaf_hooks_only, free_early); see ca_runtime's [Note: Capture methods].
+        """
         ...
 
     def run_first(

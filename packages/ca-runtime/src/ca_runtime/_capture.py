@@ -93,6 +93,14 @@ class Capture:
     #: TRACE, FUNCTION, AOT or BREAK (a probe or a failed AOT copy resolved).
     handlings: dict[int, Handling] = field(default_factory=dict)
 
+    def free_early(self) -> list[int]:
+        """Nodes whose saved tensors ca_core may drop before the graph runs on a hit.
+
+        Those the graph traces or copies (TRACE, AOT): it never runs them
+        for real; see [Note: Saved tensors freed early] in ca_core.
+        """
+        return sorted(i for i, h in self.handlings.items() if h in (Handling.TRACE, Handling.AOT))
+
 
 #: Calls that run user code or mutate state: kept even when their result is unused.
 _EFFECTFUL = frozenset(
@@ -200,7 +208,12 @@ class _GraphBuilder:
         self._sizes = fx.placeholder("sizes")
         scalars = fx.placeholder("scalars")
         self._hooks = fx.placeholder("hooks")
-        self.lifted = _LazyItems(fx, inputs, graph.num_tensors)
+        # Dynamo steals `inputs` and empties it (see [Note: Saved tensors freed
+        # early] in ca_core): a graph break must not read it again, so its
+        # items are taken once, up front, and read from the tuple.
+        lifted_tuple = fx.call_function(tuple, (inputs,))
+        lifted_tuple.name = "lifted"
+        self.lifted = _LazyItems(fx, lifted_tuple, graph.num_tensors)
         self.lifted_scalars = _LazyItems(fx, scalars, graph.num_scalars)
         self._hook_nodes: dict[int, torch.fx.Node] = {}
         self._dynamic_positions = {

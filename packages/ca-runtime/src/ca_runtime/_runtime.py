@@ -6,11 +6,13 @@ failure, never on a cache hit (typed as ``ca_core.runtime_protocol.EngineRuntime
 which mypy checks ``Runtime`` against):
 
 - ``capture(graph)``: build the FX graph of a walked backward and compile it
-  with ``compiler_fn``; return ``(compiled, leaf_outputs, leaf_hooks_only)`` --
-  the compiled callable, the walk index of each AccumulateGrad node whose grad
-  the graph returns, and per such node whether the graph accumulated it
-  already (only its grad_fn post hooks are left to run) -- or None to run this backward (and every later one with the same
-  key path) eagerly.
+  with ``compiler_fn``; return ``(compiled, leaf_outputs, leaf_hooks_only,
+  free_early)`` -- the compiled callable, the walk index of each AccumulateGrad
+  node whose grad the graph returns, per such node whether the graph
+  accumulated it already (only its grad_fn post hooks are left to run), and
+  the nodes whose saved tensors may be dropped before a cache hit runs (see
+  [Note: Saved tensors freed early] in ca_core) -- or None to run this
+  backward (and every later one with the same key path) eagerly.
 - ``run_first(compiled, inputs, sizes, scalars, hooks, dynamic_dims)``: the
   first call of a freshly compiled graph, where lazy compilers
   (``torch.compile``) do their work, after marking the dynamic sizes and the
@@ -53,7 +55,7 @@ from ca_runtime._capture import UnsupportedNode, build_graph_module
 from ca_runtime._log import EagerFallbackWarning, GraphBreakWarning, log, miss_log
 from ca_runtime._report import records
 from ca_runtime._state import STATE
-from ca_runtime._torch_interop import FakeBackwardCFunction, call_backward
+from ca_runtime._torch_interop import FakeBackwardCFunction, call_backward, set_locals_to_steal
 
 __all__ = ["Runtime", "graph_break_count", "last_graph", "reset_graph_breaks"]
 
@@ -130,7 +132,7 @@ class Runtime:
 
     def capture(
         self, graph: ca_core.BackwardGraph
-    ) -> tuple[Callable[..., Any], list[int], list[bool]] | None:
+    ) -> tuple[Callable[..., Any], list[int], list[bool], list[int]] | None:
         record = records.begin_capture(graph, self.compiler_key)
         self._records.pending = self._records.failed_first_run = None
         start = time.perf_counter()
@@ -146,6 +148,8 @@ class Runtime:
             return None
         records.capture_built(record, graph, captured, time.perf_counter() - start)
         gm = captured.graph_module
+        # See [Note: Saved tensors freed early] in ca_core.
+        set_locals_to_steal(gm, ["inputs"])
         STATE.set_last_graph(gm)
         self._log_miss(graph)
         log.debug("captured backward of %d nodes:\n%s", len(graph.nodes), gm.code)
@@ -167,7 +171,7 @@ class Runtime:
             message = f"ca_runtime: graph break at {brk.node_name} (node {brk.node_index}): {brk.reason}"
             log.info(message)
             warnings.warn(message, GraphBreakWarning, stacklevel=2)
-        return compiled, captured.leaf_outputs, captured.leaf_hooks_only
+        return compiled, captured.leaf_outputs, captured.leaf_hooks_only, captured.free_early()
 
     def run_first(
         self,
@@ -187,6 +191,9 @@ class Runtime:
         # thread's capture, whose first run this backward happens to make).
         record: records.CaptureRecord | None = getattr(self._records, "pending", None)
         self._records.pending = None
+        # Described before the call: Dynamo takes the items of `inputs` over
+        # (see [Note: Saved tensors freed early] in ca_core).
+        described = records.describe_inputs(inputs) if record is not None else []
         start = time.perf_counter()
         try:
             outputs = compiled(inputs, sizes, scalars, hooks)
@@ -198,12 +205,12 @@ class Runtime:
             self.last_failure = "first run failed: " + _describe(e)
             if record is not None:
                 records.first_run_done(
-                    record, time.perf_counter() - start, inputs, scalars, hooks, self.last_failure
+                    record, time.perf_counter() - start, described, scalars, hooks, self.last_failure
                 )
                 self._records.failed_first_run = record
             return None
         if record is not None:
-            records.first_run_done(record, time.perf_counter() - start, inputs, scalars, hooks)
+            records.first_run_done(record, time.perf_counter() - start, described, scalars, hooks)
         return outputs
 
     @staticmethod

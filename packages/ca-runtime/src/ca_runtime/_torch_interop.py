@@ -16,8 +16,11 @@ Used through this module:
      graph, as torch's compiled autograd does.
   4. ``torch._dynamo.trace_rules.lookup`` and ``SkipFunctionVariable``:
      whether Dynamo would inline a hook (``dynamo_skips``).
+  5. ``torch._dynamo.utils.set_locals_to_steal``: lets Dynamo take over the
+     graph's ``inputs`` list and free each saved tensor after its last use
+     (see [Note: Saved tensors freed early] in ca_core).
 Used in place, because they are what the module is about:
-  5. AOTAutograd's ``CompiledFunction`` internals in _aot.py (``_aot_id``,
+  6. AOTAutograd's ``CompiledFunction`` internals in _aot.py (``_aot_id``,
      ``_bw_prologue_fn``, ``metadata``, ``maybe_subclass_metadata``,
      ``boxed_grads_call``, ``ctx._forward_cls``) and
      ``torch._dynamo.compiled_autograd.extract_bw_module``.
@@ -52,6 +55,7 @@ __all__ = [
     "dynamo_skips",
     "keep_hook_across_torch_disable",
     "rearm_torch_compiled_autograd",
+    "set_locals_to_steal",
     "torch_compiled_autograd_enabled",
 ]
 
@@ -86,6 +90,13 @@ def rearm_torch_compiled_autograd() -> None:
     set_compiler = torch._C._dynamo.compiled_autograd.set_autograd_compiler
     prior = set_compiler(None, False)
     set_compiler(*prior)
+
+
+def set_locals_to_steal(gm: torch.fx.GraphModule, names: list[str]) -> None:
+    """5. Marks the graph's list arguments ``names`` as Dynamo may steal them (free items as it consumes them)."""
+    from torch._dynamo.utils import set_locals_to_steal as mark
+
+    mark(gm, names)
 
 
 def dynamo_skips(hook: object) -> bool:

@@ -54,6 +54,7 @@ __all__ = [
     "capture_built",
     "capture_compiled",
     "capture_failed",
+    "describe_inputs",
     "first_run_done",
     "miss_category",
     "record_fallback",
@@ -331,22 +332,28 @@ def _safe_repr(value: object) -> str:
     return text if len(text) <= _MAX_REPR else text[: _MAX_REPR - 3] + "..."
 
 
+def describe_inputs(inputs: Sequence[object]) -> list[str]:
+    """The lifted tensors as the report lists them (the first ones), taken before the graph consumes them."""
+    return [_describe_tensor(t) for t in inputs[:_MAX_LISTED]]
+
+
 def first_run_done(
     record: CaptureRecord,
     seconds: float,
-    inputs: Sequence[object],
+    described_inputs: list[str],
     scalars: Sequence[object],
     hooks: Sequence[object],
     failure: str = "",
 ) -> None:
     """The compiled graph's first call (lazy compilers compile here) took ``seconds``.
 
-    The inputs are at hand only now, so the lifted tensors and the hooks are described here.
+    The inputs are at hand only now, so the lifted tensors (``describe_inputs``)
+    and the hooks are described here.
     """
     record.first_run_s = seconds
     STATE.add_seconds("first_run", seconds)
     record.lifted.num_hooks = len(hooks)
-    record.lifted.tensors = [_describe_tensor(t) for t in inputs[:_MAX_LISTED]]
+    record.lifted.tensors = described_inputs
     record.lifted.scalars = [_safe_repr(s) for s in scalars[:_MAX_LISTED]]
     for node in record.nodes:
         for hook in node.hooks:

@@ -1,0 +1,55 @@
+"""Prints the peak resident memory of one warm backward, eager and under ca_runtime, as JSON.
+
+Run with MALLOC_MMAP_THRESHOLD_=65536 (every tensor buffer its own mapping,
+freed to the system at once) so that RSS follows live tensor bytes; see
+bench/run.py's backward_peak_bytes. Usage: backward_peak_memory.py BACKEND.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+
+import ca_runtime
+import torch
+
+
+def _rss_kib() -> dict[str, int]:
+    with open("/proc/self/status") as f:
+        return {line.split(":")[0]: int(line.split()[1]) for line in f if line.startswith(("VmHWM", "VmRSS"))}
+
+
+def peak_above_start(loss: torch.Tensor) -> int:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    start = _rss_kib()["VmRSS"]
+    loss.backward()
+    return (_rss_kib()["VmHWM"] - start) * 1024
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    # 8 layers: saved activations (2 MiB each) and weight grads (4 MiB each)
+    # of the same order, so freeing the former as the backward goes offsets
+    # the latter.
+    layers = [m for _ in range(8) for m in (torch.nn.Linear(1024, 1024), torch.nn.ReLU())]
+    model = torch.nn.Sequential(*layers)
+    x = torch.randn(512, 1024)
+    contexts = {"eager": contextlib.nullcontext, "ca": lambda: ca_runtime.enable(sys.argv[1])}
+    peaks = {}
+    for name, make in contexts.items():
+        for step in range(4):
+            model.zero_grad(set_to_none=True)
+            loss = model(x).square().mean()
+            with make():
+                if step < 3:
+                    loss.backward()
+                else:
+                    peaks[name] = peak_above_start(loss)
+    print(json.dumps({"peaks": peaks, "stats": ca_runtime.stats()}))
+
+
+if __name__ == "__main__":
+    main()
