@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -24,23 +24,6 @@ def _doubling_compiler(gm):
 
 def _sleeping_compiler(gm):
     time.sleep(30)
-    return gm
-
-
-def _stalling_once_compiler(gm):
-    """In the one process that takes a marker file first: sleep (the timer
-    interrupts it) or block SIGALRM and sleep (only a kill ends it)."""
-    for var, block in (("CA_SWEEP_TEST_SLEEP", False), ("CA_SWEEP_TEST_BLOCK", True)):
-        path = os.environ.get(var)
-        if not path:
-            continue
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            continue
-        if block:
-            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
-        time.sleep(60)
     return gm
 
 
@@ -181,7 +164,10 @@ def test_workers_time_out_and_are_replaced(tmp_path, monkeypatch) -> None:
         monkeypatch.setenv(var, str(marker))
     monkeypatch.setattr(sweep, "KILL_GRACE", 1.0)
     tasks = [("neg", "float32"), ("sin", "float32"), ("abs", "complex64")]
-    results = sweep.run_sweep(tasks, _stalling_once_compiler, "ca", jobs=2, max_samples=1, timeout=1.0)
+    monkeypatch.syspath_prepend(str(Path(__file__).parent / "workers"))
+    from sweep_compilers import stalling_once_compiler
+
+    results = sweep.run_sweep(tasks, stalling_once_compiler, "ca", jobs=2, max_samples=1, timeout=1.0)
     assert sorted((r.op, r.dtype) for r in results) == sorted(tasks)
     assert sorted(r.result for r in results) == ["pass", "timeout", "timeout"]
     details = sorted(r.detail for r in results if r.result == "timeout")
