@@ -431,9 +431,7 @@ void free_saved_early(BackwardState& state, const std::vector<uint32_t>& free_ea
     if (!ns.collected || ns.is_accumulate_grad) {
       continue;
     }
-    for (const auto* saved : torch_private::lifted_saved_variables(ns.collected->tensor_args)) {
-      const_cast<torch::autograd::SavedVariable*>(saved)->reset_data();
-    }
+    torch_private::reset_lifted_saved_variables(ns.collected->tensor_args);
     for (auto& t : ns.collected->tensor_args.inputs) {
       t = at::Tensor();
     }

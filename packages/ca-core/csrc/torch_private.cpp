@@ -120,14 +120,10 @@ std::vector<TensorArg*> tensor_args_by_position(TensorArgs& args, size_t count) 
   return out;
 }
 
-std::vector<const torch::autograd::SavedVariable*> lifted_saved_variables(const TensorArgs& args) {
-  std::vector<const torch::autograd::SavedVariable*> out;
-  const auto& saved = args.*member_of(TensorArgsSavedVariables{});
-  out.reserve(saved.size());
-  for (const auto& [sv, _] : saved) {
-    out.push_back(sv);
+void reset_lifted_saved_variables(const TensorArgs& args) {
+  for (const auto& [saved, _] : args.*member_of(TensorArgsSavedVariables{})) {
+    const_cast<torch::autograd::SavedVariable*>(saved)->reset_data();
   }
-  return out;
 }
 
 size_t replay_warnings(DelayWarningHandler& handler) {
@@ -215,9 +211,15 @@ void register_torch_private(nb::module_& m) {
         torch::autograd::SavedVariable saved(b, false);
         args.add(saved, b.grad_fn());
         const auto by_position = tensor_args_by_position(args, 2);
-        const auto lifted = lifted_saved_variables(args);
-        return by_position[0] == &args.lookup(a) && by_position[1] == &args.lookup(b) &&
-            lifted.size() == 1 && lifted[0] == &saved;
+        const bool found = by_position[0] == &args.lookup(a) && by_position[1] == &args.lookup(b);
+        reset_lifted_saved_variables(args);
+        bool reset = false;
+        try {
+          reset = !saved.unpack().defined();
+        } catch (const c10::Error&) {
+          reset = true; // "Trying to backward through the graph a second time"
+        }
+        return found && reset && b.defined();
       },
       "7. TensorArgs' private maps: TensorArgs by position, lifted SavedVariables.");
   m.def(

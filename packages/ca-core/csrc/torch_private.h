@@ -76,9 +76,9 @@ void restore_swap_stashes(torch::dynamo::autograd::SwapSavedVariables& swap);
 std::vector<torch::dynamo::autograd::TensorArg*> tensor_args_by_position(
     torch::dynamo::autograd::TensorArgs& args,
     size_t count);
-/// 7. The SavedVariables whose tensors `args` lifted (those without unpack hooks).
-std::vector<const torch::autograd::SavedVariable*> lifted_saved_variables(
-    const torch::dynamo::autograd::TensorArgs& args);
+/// 7. Resets the data of every SavedVariable whose tensor `args` lifted
+/// (those without unpack hooks); allocates nothing (it runs on cache hits).
+void reset_lifted_saved_variables(const torch::dynamo::autograd::TensorArgs& args);
 
 /// 8. Re-emits the warnings `handler` held back (DelayWarningHandler::
 /// replay_warnings, which libtorch does not export); returns how many.
