@@ -9,7 +9,6 @@
 #include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/autograd/python_function.h>
 
-#include <cstring>
 #include <typeinfo>
 
 #include <nanobind/stl/optional.h>

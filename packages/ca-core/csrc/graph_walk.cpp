@@ -11,7 +11,6 @@
 #include <cxxabi.h>
 
 #include <algorithm>
-#include <string_view>
 #include <typeinfo>
 
 namespace ca {

@@ -146,7 +146,7 @@ class Runtime:
             records.capture_failed(record, "capture", _describe(e))
             self._fallback("capture", _describe(e), record)
             return None
-        records.capture_built(record, graph, captured, time.perf_counter() - start)
+        records.capture_built(record, captured, time.perf_counter() - start)
         gm = captured.graph_module
         # See [Note: Saved tensors freed early] in ca_core.
         set_locals_to_steal(gm, ["inputs"])

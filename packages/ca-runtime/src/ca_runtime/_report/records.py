@@ -271,9 +271,7 @@ _KIND_OF_HANDLING: dict[Handling, str] = {
 }
 
 
-def capture_built(
-    record: CaptureRecord, graph: ca_core.BackwardGraph, captured: Capture, seconds: float
-) -> None:
+def capture_built(record: CaptureRecord, captured: Capture, seconds: float) -> None:
     """The FX graph is built: its code, breaks and how each node runs ([Note: How a node ran])."""
     record.capture_s = seconds
     record.code = captured.graph_module.code
