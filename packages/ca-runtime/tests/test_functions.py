@@ -61,6 +61,23 @@ class TwoOutputs(torch.autograd.Function):
         return grad_a * 2 + grad_b * 3
 
 
+class WritesCtxInBackward(torch.autograd.Function):
+    """A backward that leaves a flag, a Python int and a tensor on its ctx."""
+
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[override]
+        ctx.save_for_backward(x)
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        (x,) = ctx.saved_tensors
+        ctx.backward_ran = True
+        ctx.rows = grad.shape[0]
+        ctx.grad_seen = grad * x
+        return grad * 2
+
+
 def _leaves(*shapes: tuple[int, ...]) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
     return [torch.randn(*s, generator=gen).requires_grad_() for s in shapes]
@@ -78,6 +95,22 @@ def test_python_function_with_ctx_attributes(backend: str) -> None:
     result.assert_ok()
     assert result.stats["eager_fallbacks"] == 0
     assert result.stats["graph_breaks"] == 0
+
+
+def test_ctx_attributes_set_in_backward_stay_on_the_grad_fn(backend: str) -> None:
+    """See [Note: ctx writes in a backward]; fresh grad_fns on hits too."""
+    (x,) = _leaves((3,))
+
+    def step(i: int) -> tuple[object, object, torch.Tensor]:
+        x.grad = None
+        y = WritesCtxInBackward.apply(x * 1.5)
+        (y * y).sum().backward()
+        return y.grad_fn.backward_ran, y.grad_fn.rows, y.grad_fn.grad_seen
+
+    result = compare(step, backend, tensors=[x], steps=3)
+    result.assert_ok()
+    assert result.stats["captures"] == 1 and result.stats["cache_hits"] == 2
+    assert result.stats["eager_fallbacks"] == 0 and result.stats["graph_breaks"] == 0
 
 
 def test_python_function_float_changes_between_steps(backend: str) -> None:

@@ -29,7 +29,7 @@ def test_2_torch_compiled_autograd_state_is_readable_and_rearmable() -> None:
     _torch_interop.rearm_torch_compiled_autograd()
 
 
-def test_3_call_backward_runs_a_functions_backward() -> None:
+def test_3_fake_ctx_runs_a_functions_backward() -> None:
     class Triple(torch.autograd.Function):
         @staticmethod
         def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor) -> torch.Tensor:
@@ -37,12 +37,14 @@ def test_3_call_backward_runs_a_functions_backward() -> None:
 
         @staticmethod
         def backward(ctx: torch.autograd.function.FunctionCtx, g: torch.Tensor) -> torch.Tensor:
+            ctx.seen = g.numel()
             return g * 3
 
     y = Triple.apply(torch.ones(2, requires_grad=True))
     ctx = y.grad_fn
-    (grad,) = _torch_interop.call_backward(ctx, [], torch.ones(2))  # type: ignore[arg-type]
+    (grad,) = _torch_interop.call_backward(ctx, [], torch.ones(2))
     assert torch.equal(grad, torch.full((2,), 3.0))
+    assert ctx.seen == 2  # see [Note: ctx writes in a backward]
     assert list(inspect.signature(_torch_interop.FakeBackwardCFunction).parameters) == [
         "real",
         "saved_tensors",

@@ -43,9 +43,6 @@ BY_DESIGN: dict[str, str] = {
 
 #: Differences that are ca bugs, reported and not fixed yet: test id -> the bug. Remove an entry once fixed.
 KNOWN_BUGS: dict[str, str] = {
-    "parity/test_function_errors.py::test_ctx_attribute_set_in_backward_is_visible_afterwards": (
-        "attributes a Function's backward sets on ctx land on torch's FakeBackwardCFunction wrapper and are lost"
-    ),
     "parity/test_introspection.py::test_a_warning_from_torch_inside_the_backward_reaches_the_user_once": (
         "a C++ warning from an op in a traced hook is repeated while the backward is captured"
     ),

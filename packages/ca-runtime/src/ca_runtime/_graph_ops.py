@@ -150,10 +150,11 @@ def call_function_backward(
 ) -> Grads:
     """A Python ``torch.autograd.Function``'s backward, checked as eager checks it.
 
-    ``call_backward`` is torch's helper that Dynamo knows how to trace into
-    (it hands the backward a ctx whose ``saved_tensors`` are the given ones).
+    ``call_backward`` hands the backward a ctx whose ``saved_tensors`` are the
+    given ones, in a form Dynamo inlines, and keeps what the backward writes
+    on it (see [Note: ctx writes in a backward] in _torch_interop.py).
     """
-    result = call_backward(ctx, list(saved_tensors), *grads)  # type: ignore[arg-type]
+    result = call_backward(ctx, list(saved_tensors), *grads)
     expected = len(is_variable_input)
     if len(result) > expected and all(g is None for g in result[expected:]):
         result = result[:expected]

@@ -254,8 +254,7 @@ class Runtime:
             fake = FakeBackwardCFunction(ctx, list(saved_tensors))  # type: ignore[arg-type]
             grads = fake._forward_cls.backward(fake, list(inputs))
             return grads if isinstance(grads, tuple) else (grads,)
-        result = call_backward(ctx, list(saved_tensors), *inputs)  # type: ignore[arg-type]
-        return result if isinstance(result, tuple) else (result,)
+        return call_backward(ctx, list(saved_tensors), *inputs)
 
     def _fallback(self, node: str, reason: str, record: records.CaptureRecord | None = None) -> None:
         first_line = reason.strip().splitlines()[0] if reason.strip() else reason

@@ -11,9 +11,11 @@ Used through this module:
      ``torch._C._dynamo.compiled_autograd.set_autograd_compiler``: whether
      torch's built-in compiled autograd is on, and re-arming it (see
      [Note: Restoring the engine hook] in _enable.py).
-  3. ``torch._dynamo.external_utils.call_backward`` and
-     ``FakeBackwardCFunction``: run a Python Function's backward from a
-     graph, as torch's compiled autograd does.
+  3. ``torch._dynamo.external_utils.FakeBackwardCFunction``: the ctx a
+     Python Function's backward gets in a graph (its ``saved_tensors`` are
+     the lifted ones); Dynamo inlines a backward only when handed exactly
+     this type. ``call_backward`` below replaces torch's helper of that name;
+     see [Note: ctx writes in a backward].
   4. ``torch._dynamo.trace_rules.lookup`` and ``SkipFunctionVariable``:
      whether Dynamo would inline a hook (``dynamo_skips``).
   5. ``torch._dynamo.utils.set_locals_to_steal``: lets Dynamo take over the
@@ -47,7 +49,7 @@ from typing import Any
 
 import ca_core
 import torch
-from torch._dynamo.external_utils import FakeBackwardCFunction, call_backward
+from torch._dynamo.external_utils import FakeBackwardCFunction
 
 __all__ = [
     "FakeBackwardCFunction",
@@ -90,6 +92,29 @@ def rearm_torch_compiled_autograd() -> None:
     set_compiler = torch._C._dynamo.compiled_autograd.set_autograd_compiler
     prior = set_compiler(None, False)
     set_compiler(*prior)
+
+
+# [Note: ctx writes in a backward]
+# A Function's backward may set attributes on its ctx (``ctx.backward_ran =
+# True``), and eager code can read them from ``y.grad_fn`` afterwards. In a
+# graph the backward gets a FakeBackwardCFunction, which reads through to the
+# real ctx but keeps writes to itself, and torch's ``call_backward`` drops it
+# afterwards. Ours copies every attribute the backward set onto the real ctx.
+# Dynamo traces the copy as attribute writes to a graph input and replays them
+# after the compiled graph; a backward that writes nothing copies nothing.
+_FAKE_OWN_ATTRIBUTES = ("real", "saved_tensors")
+
+
+def call_backward(
+    ctx: torch.autograd.function.BackwardCFunction, saved_tensors: list[torch.Tensor | None], *grads: Any
+) -> tuple[Any, ...]:
+    """3. Runs ``ctx``'s Function backward on ``saved_tensors``; see [Note: ctx writes in a backward]."""
+    fake = FakeBackwardCFunction(ctx, saved_tensors)  # type: ignore[arg-type]
+    result = fake._forward_cls.backward(fake, *grads)
+    for name, value in fake.__dict__.items():
+        if name not in _FAKE_OWN_ATTRIBUTES:
+            setattr(ctx, name, value)
+    return result if isinstance(result, tuple) else (result,)
 
 
 def set_locals_to_steal(gm: torch.fx.GraphModule, names: list[str]) -> None:
