@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import warnings
+import weakref
 from types import ModuleType
 
 import ca_runtime
@@ -111,6 +113,25 @@ def test_ctx_attributes_set_in_backward_stay_on_the_grad_fn(backend: str) -> Non
     result.assert_ok()
     assert result.stats["captures"] == 1 and result.stats["cache_hits"] == 2
     assert result.stats["eager_fallbacks"] == 0 and result.stats["graph_breaks"] == 0
+
+
+def test_ctx_dies_with_its_output_after_a_capturing_backward(backend: str) -> None:
+    """See [Note: Dynamo's tracing cycles]: no gc.collect() needed, as in eager."""
+    (x,) = _leaves((3,))
+    frozen_before = gc.get_freeze_count()
+
+    def step(i: int) -> tuple[bool, bool]:
+        x.grad = None
+        y = WritesCtxInBackward.apply(x * 1.5)
+        ctx, payload = weakref.ref(y.grad_fn), weakref.ref(y.grad_fn.saved_tensors[0])
+        (y * y).sum().backward()
+        del y
+        return ctx() is None, payload() is None
+
+    result = compare(step, backend, tensors=[x], steps=2)
+    result.assert_ok()
+    assert result.stats["captures"] == 1 and result.stats["cache_hits"] == 1
+    assert gc.get_freeze_count() == frozen_before
 
 
 def test_python_function_float_changes_between_steps(backend: str) -> None:

@@ -46,9 +46,6 @@ KNOWN_BUGS: dict[str, str] = {
     "parity/test_introspection.py::test_a_warning_from_torch_inside_the_backward_reaches_the_user_once": (
         "a C++ warning from an op in a traced hook is repeated while the backward is captured"
     ),
-    "parity/test_saved_tensors.py::test_custom_function_ctx_and_its_attributes_are_freed_after_backward": (
-        "the capturing backward leaves the ctx in a reference cycle (Dynamo's tracing state) until gc.collect()"
-    ),
 }
 
 _NO_BACKWARD = "no backward runs"

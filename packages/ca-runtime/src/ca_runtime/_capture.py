@@ -185,7 +185,15 @@ def _call_for(
 
 def build_graph_module(graph: ca_core.BackwardGraph) -> Capture:
     """The FX graph of one backward; raises UnsupportedNode for a node it cannot take."""
-    return _GraphBuilder(graph).build()
+    builder = _GraphBuilder(graph)
+    try:
+        return builder.build()
+    finally:
+        # The builder and its _Unpacker refer to each other (bound methods),
+        # and the builder holds the walk's nodes, ctxs and hooks: without this
+        # they would wait for a full gc (see [Note: Dynamo's tracing cycles]
+        # in _runtime.py for the other cycle a capture leaves).
+        builder.release()
 
 
 class _GraphBuilder:
@@ -247,6 +255,10 @@ class _GraphBuilder:
             default=-1,
         )
         self._unpacker = _Unpacker(fx, self.hook_at, self.graph_break, self.nodes, self._handlings)
+
+    def release(self) -> None:
+        """Breaks the builder <-> _Unpacker reference cycle."""
+        del self._unpacker
 
     # -- graph values ---------------------------------------------------------
 
