@@ -316,3 +316,29 @@ def test_graph_breaks_are_counted_and_warned_once(backend: str) -> None:
     stats = ca_runtime.stats()
     assert stats["graph_breaks"] == stats["captures"]
     assert stats["eager_fallbacks"] == 0
+
+
+def test_a_warning_raised_in_a_hook_reaches_the_user_once_per_backward(backend: str) -> None:
+    """See [Note: Warnings while Dynamo traces]: tracing the hook does not repeat it."""
+    x = torch.tensor([1.0, 2.0], requires_grad=True)
+
+    def triple_into_a_too_small_buffer(grad: torch.Tensor) -> torch.Tensor:
+        buffer = torch.empty(1)
+        torch.mul(grad, 3, out=buffer)  # torch warns that it resizes `buffer`
+        return buffer
+
+    def step(i: int) -> int:
+        x.grad = None
+        y = x * 2
+        y.register_hook(triple_into_a_too_small_buffer)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            y.sum().backward()
+        return sum("was resized" in str(w.message) for w in caught)
+
+    filters_before = list(warnings.filters)
+    result = compare(step, backend, tensors=[x], steps=2)
+    result.assert_ok()
+    assert result.stats["captures"] == 1 and result.stats["cache_hits"] == 1
+    assert result.stats["eager_fallbacks"] == 0
+    assert warnings.filters == filters_before

@@ -7,6 +7,7 @@ behaviour test does.
 from __future__ import annotations
 
 import inspect
+import warnings
 
 import torch
 from ca_runtime import _torch_interop
@@ -56,6 +57,25 @@ def test_4_dynamo_trace_rules_tell_skipped_from_inlined() -> None:
 
     assert not _torch_interop.dynamo_skips(lambda g: g * 2)
     assert _torch_interop.dynamo_skips(checkpoint)
+
+
+def test_7_dynamo_compile_callbacks_bracket_a_compile() -> None:
+    from torch._dynamo.callback import callback_handler
+
+    seen: list[int] = []
+
+    @torch.compile(backend="eager")
+    def warns(t: torch.Tensor) -> torch.Tensor:
+        seen.append(len(warnings.filters))
+        return t + 1
+
+    before = list(warnings.filters)
+    callbacks_before = (list(callback_handler.start_callbacks), list(callback_handler.end_callbacks))
+    with _torch_interop.warnings_ignored_while_dynamo_compiles():
+        warns(torch.ones(1))
+    assert seen and seen[0] == len(before) + 1  # the ignore filter heads the list while Dynamo traces
+    assert warnings.filters == before
+    assert (callback_handler.start_callbacks, callback_handler.end_callbacks) == callbacks_before
 
 
 def test_6_aot_internals_are_where_aot_py_reads_them() -> None:

@@ -42,11 +42,7 @@ BY_DESIGN: dict[str, str] = {
 }
 
 #: Differences that are ca bugs, reported and not fixed yet: test id -> the bug. Remove an entry once fixed.
-KNOWN_BUGS: dict[str, str] = {
-    "parity/test_introspection.py::test_a_warning_from_torch_inside_the_backward_reaches_the_user_once": (
-        "a C++ warning from an op in a traced hook is repeated while the backward is captured"
-    ),
-}
+KNOWN_BUGS: dict[str, str] = {}
 
 _NO_BACKWARD = "no backward runs"
 _USERS_ERROR = "the walk meets the user's error; eager raises it, nothing is captured"

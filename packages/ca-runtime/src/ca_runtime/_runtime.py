@@ -57,7 +57,12 @@ from ca_runtime._capture import UnsupportedNode, build_graph_module
 from ca_runtime._log import EagerFallbackWarning, GraphBreakWarning, log, miss_log
 from ca_runtime._report import records
 from ca_runtime._state import STATE
-from ca_runtime._torch_interop import FakeBackwardCFunction, call_backward, set_locals_to_steal
+from ca_runtime._torch_interop import (
+    FakeBackwardCFunction,
+    call_backward,
+    set_locals_to_steal,
+    warnings_ignored_while_dynamo_compiles,
+)
 
 __all__ = ["Runtime", "graph_break_count", "last_graph", "reset_graph_breaks"]
 
@@ -224,7 +229,9 @@ class Runtime:
         described = records.describe_inputs(inputs) if record is not None else []
         start = time.perf_counter()
         try:
-            with _collecting_tracing_cycles():  # see [Note: Dynamo's tracing cycles]
+            # See [Note: Dynamo's tracing cycles] and, in _torch_interop.py,
+            # [Note: Warnings while Dynamo traces].
+            with _collecting_tracing_cycles(), warnings_ignored_while_dynamo_compiles():
                 outputs = compiled(inputs, sizes, scalars, hooks)
         except Exception as e:
             if _raised_by_user_code(e):

@@ -21,6 +21,8 @@ Used through this module:
   5. ``torch._dynamo.utils.set_locals_to_steal``: lets Dynamo take over the
      graph's ``inputs`` list and free each saved tensor after its last use
      (see [Note: Saved tensors freed early] in ca_core).
+  7. ``torch._dynamo.callback.callback_handler``: Dynamo's compile start/end
+     callbacks; see [Note: Warnings while Dynamo traces].
 Used in place, because they are what the module is about:
   6. AOTAutograd's ``CompiledFunction`` internals in _aot.py (``_aot_id``,
      ``_bw_prologue_fn``, ``metadata``, ``maybe_subclass_metadata``,
@@ -44,6 +46,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import types
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -59,6 +62,7 @@ __all__ = [
     "rearm_torch_compiled_autograd",
     "set_locals_to_steal",
     "torch_compiled_autograd_enabled",
+    "warnings_ignored_while_dynamo_compiles",
 ]
 
 
@@ -122,6 +126,48 @@ def set_locals_to_steal(gm: torch.fx.GraphModule, names: list[str]) -> None:
     from torch._dynamo.utils import set_locals_to_steal as mark
 
     mark(gm, names)
+
+
+# [Note: Warnings while Dynamo traces]
+# Dynamo and AOTAutograd trace our graph by running every op of it on fake
+# tensors, hooks and Function backwards included, so a warning an op raises
+# (a C++ TORCH_WARN or torch's Python `warnings.warn`) would be raised once
+# per trace and then again when the graph runs: eager raises it once. While
+# Dynamo compiles during a first run, an "ignore" filter heads
+# ``warnings.filters``. It is inserted and removed in place, without
+# ``catch_warnings``: that would bump the filters' version and so reset every
+# module's record of the warnings it has shown, and an ignored warning is not
+# recorded, so a "default"-filtered warning still shows once when the graph
+# runs, and not again. Only the first
+# run of our own graph is covered: the user's own torch.compile calls keep
+# their warnings, and so does a rare Dynamo recompile during a cache hit.
+# Another thread's warnings during that compile are ignored too.
+@contextlib.contextmanager
+def warnings_ignored_while_dynamo_compiles() -> Iterator[None]:
+    """7. Inside: warnings raised while Dynamo compiles are dropped; see [Note: Warnings while Dynamo traces]."""
+    from torch._dynamo.callback import callback_handler
+
+    # A fresh tuple, removed by identity: a user's own equal filter stays.
+    ignore_all = ("ignore", None, Warning, None, 0)
+
+    def start(args: Any) -> None:
+        warnings.filters.insert(0, ignore_all)  # type: ignore[attr-defined]
+
+    def end(args: Any) -> None:
+        filters: list[Any] = warnings.filters  # type: ignore[attr-defined]
+        for i, entry in enumerate(filters):
+            if entry is ignore_all:
+                del filters[i]
+                return
+
+    callback_handler.register_start_callback(start)
+    callback_handler.register_end_callback(end)
+    try:
+        yield
+    finally:
+        callback_handler.remove_start_callback(start)
+        callback_handler.remove_end_callback(end)
+        end(None)
 
 
 def dynamo_skips(hook: object) -> bool:
