@@ -102,6 +102,9 @@ struct NodeState {
   uint32_t num_apply_sizes = 0;
   /// True for AccumulateGrad: applied after the compiled graph, not traced.
   bool is_accumulate_grad = false;
+  /// AccumulateGrad whose grad_fn pre/post hooks are all Python's: collected
+  /// like any node's, so the graph can call them; see [Note: Leaf node hooks].
+  bool leaf_hooks_collected = false;
   /// Index into BackwardState::lifted_tensors of each of collected's tensors
   /// (for AccumulateGrad: empty, or its variable's slot alone; see [Note:
   /// Leaves accumulated in the graph]); see [Note: Lifted tensor de-duplication].

@@ -106,8 +106,9 @@ struct NodeInfo {
   bool is_accumulate_grad = false;
   /// Autograd's sequence number of the node (eager's ready-queue order).
   uint64_t sequence_nr = 0;
-  /// Number of grad_fn pre-hooks (register_prehook). For AccumulateGrad they
-  /// are not collected and run around the real node; see [Note: Leaf node hooks].
+  /// Number of grad_fn pre-hooks (register_prehook). For an AccumulateGrad
+  /// with C++ hooks: the number of hook objects, none of them collected
+  /// (pre_hooks stays empty); see [Note: Leaf node hooks].
   uint32_t num_grad_fn_pre_hooks = 0;
   /// Number of grad_fn post-hooks (register_hook); as above for AccumulateGrad.
   uint32_t num_grad_fn_post_hooks = 0;
@@ -292,11 +293,12 @@ nb::object describe_backward(const BackwardState& state, uint64_t entry_id) {
     info.is_accumulate_grad = ns.is_accumulate_grad;
     const NodeCall& call = ns.call;
     info.sequence_nr = node.sequence_nr();
-    // A leaf's grad_fn hooks are not collected; see [Note: Leaf node hooks].
+    // A leaf's C++ grad_fn hooks are not collected; see [Note: Leaf node hooks].
+    const bool hooks_uncollected = ns.is_accumulate_grad && !ns.leaf_hooks_collected;
     info.num_grad_fn_pre_hooks = static_cast<uint32_t>(
-        ns.is_accumulate_grad ? node.pre_hooks().size() : call.pre_hooks.size());
+        hooks_uncollected ? node.pre_hooks().size() : call.pre_hooks.size());
     info.num_grad_fn_post_hooks = static_cast<uint32_t>(
-        ns.is_accumulate_grad ? node.post_hooks().size() : call.post_hooks.size());
+        hooks_uncollected ? node.post_hooks().size() : call.post_hooks.size());
     info.num_post_acc_grad_hooks = static_cast<uint32_t>(call.post_acc_grad_hooks.size());
     info.size_offset = graph.num_sizes;
     info.scalar_offset = graph.num_scalars;

@@ -44,13 +44,18 @@ each call. The eager fallback (execute_with_graph_task) runs them itself and
 must not run them twice.
 
 [Note: Leaf node hooks]
-grad_fn pre/post hooks on an AccumulateGrad node (a Python
-grad_acc.register_hook, the C++ DDP Reducer's autograd_hook, whose
-compiled_args refuses compiled autograd) are not traced: the walk keys on
-their number and C++ types only, and run_leaf_node calls them around the real
-node, after the graph, as eager's call_function would. A leaf whose hooks must
-run before later user code is accumulated inside the graph instead, behind a
-graph break (see [Note: Leaf accumulation order] in ca_runtime).
+grad_fn pre/post hooks on an AccumulateGrad node come in two kinds. When all
+are Python's (grad_acc.register_prehook / register_hook, as Megatron and
+DeepSpeed register per parameter), the walk collects them like any node's
+(NodeState::leaf_hooks_collected), so the graph can call them at the leaf's
+eager position around its in-graph accumulation. When any is C++ (the DDP
+Reducer's autograd_hook, whose compiled_args refuses compiled autograd), none
+is traced: the walk keys on their number and C++ types only, and
+run_leaf_node calls them around the real node, after the graph, as eager's
+call_function would; a leaf whose C++ hooks must run before later user code
+is accumulated behind a graph break instead (see [Note: Leaf accumulation
+order] in ca_runtime). A leaf that stays a graph output is run by
+run_leaf_node either way, with its real hooks.
 
 [Note: Whose failure]
 A node whose compiled_args throws during the walk may be the user's mistake

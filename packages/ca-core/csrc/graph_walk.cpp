@@ -30,7 +30,7 @@ AccumulateGrad's tensors are not graph inputs (the node runs after the graph),
 except the variable of a leaf with post-accumulate-grad hooks.
 
 [Note: Leaves accumulated in the graph]
-A leaf without grad_fn pre-hooks has its variable lifted (NodeInfo.tensor_slots[0],
+A leaf without C++ grad_fn pre-hooks has its variable lifted (NodeInfo.tensor_slots[0],
 unused graph inputs cost nothing once the capture drops them) and its
 post-accumulate-grad hooks listed (NodeInfo.post_acc_grad_hooks). The capture
 accumulates such a leaf inside the graph, with torch.ops.inductor.accumulate_grad_
@@ -254,8 +254,14 @@ void collect_node_call(CompiledNodeArgs& args, NodeState& ns, Node* fn) {
     hook->compiled_args(args);
     record_new(py, cpp, true);
   }
-  if (ns.is_accumulate_grad) {
-    // Run around the real node, never traced; see [Note: Leaf node hooks].
+  ns.leaf_hooks_collected = ns.is_accumulate_grad &&
+      std::all_of(fn->pre_hooks().begin(), fn->pre_hooks().end(),
+                  [](const auto& h) { return torch_private::is_python_pre_hook(*h); }) &&
+      std::all_of(fn->post_hooks().begin(), fn->post_hooks().end(),
+                  [](const auto& h) { return torch_private::is_python_post_hook(*h); });
+  args.collect(ns.leaf_hooks_collected);
+  if (ns.is_accumulate_grad && !ns.leaf_hooks_collected) {
+    // C++ hooks run around the real node, never traced; see [Note: Leaf node hooks].
     auto collect_types = [&](const auto& hooks) {
       args.collect_size(hooks.size());
       for (const auto& hook : hooks) {
@@ -442,12 +448,14 @@ class GraphWalk {
     // Saved tensors with unpack hooks are not lifted; their number matters.
     args.collect_size(ns.collected->sv_to_hooks.size());
     ns.num_apply_sizes = static_cast<uint32_t>(ns.collected->all_size_inputs.size());
-    // A leaf without grad_fn pre-hooks, and without C++ post hooks unless it
-    // has post-accumulate-grad hooks, lifts its variable: the graph may
+    // A leaf whose grad_fn hooks are Python's (or absent), or without C++ pre
+    // hooks and without C++ post hooks unless it has post-accumulate-grad
+    // hooks, lifts its variable: the graph may
     // accumulate it at its eager position; see [Note: Leaves accumulated in
     // the graph].
-    const bool lifts_variable = ns.is_accumulate_grad && fn->pre_hooks().empty() &&
-        (fn->post_hooks().empty() || !call.post_acc_grad_hooks.empty()) &&
+    const bool lifts_variable = ns.is_accumulate_grad &&
+        (ns.leaf_hooks_collected ||
+         (fn->pre_hooks().empty() && (fn->post_hooks().empty() || !call.post_acc_grad_hooks.empty()))) &&
         !ns.collected->tensor_args.inputs.empty();
     if (lifts_variable) {
       const uint32_t slot = slot_of(ns.collected->tensor_args.inputs.front());

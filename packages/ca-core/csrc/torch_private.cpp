@@ -39,6 +39,14 @@ bool is_py_node(const Node& node) {
   return std::strcmp(typeid(node).name(), "N5torch8autograd6PyNodeE") == 0;
 }
 
+bool is_python_pre_hook(const torch::autograd::FunctionPreHook& hook) {
+  return std::strcmp(typeid(hook).name(), "N5torch8autograd17PyFunctionPreHookE") == 0;
+}
+
+bool is_python_post_hook(const torch::autograd::FunctionPostHook& hook) {
+  return std::strcmp(typeid(hook).name(), "N5torch8autograd18PyFunctionPostHookE") == 0;
+}
+
 bool is_compiled_args_nyi(const c10::NotImplementedError& e) {
   return std::string_view(e.what_without_backtrace()).rfind("compiled_args nyi", 0) == 0;
 }
@@ -166,6 +174,25 @@ void register_torch_private(nb::module_& m) {
         return is_py_node(*t.grad_fn());
       },
       "3. Whether a tensor's grad_fn is a Python Function's PyNode.");
+  m.def(
+      "_private_grad_fn_hooks_are_python",
+      [](const at::Tensor& t) {
+        TORCH_CHECK(t.defined() && t.grad_fn(), "needs a tensor with a grad_fn");
+        const auto& fn = *t.grad_fn();
+        TORCH_CHECK(!fn.pre_hooks().empty() && !fn.post_hooks().empty(), "needs pre and post hooks");
+        for (const auto& h : fn.pre_hooks()) {
+          if (!is_python_pre_hook(*h)) {
+            return false;
+          }
+        }
+        for (const auto& h : fn.post_hooks()) {
+          if (!is_python_post_hook(*h)) {
+            return false;
+          }
+        }
+        return true;
+      },
+      "9. Whether a grad_fn's hooks are all recognised as Python's.");
   m.def(
       "_private_compiled_args_nyi",
       [](const at::Tensor& t) {

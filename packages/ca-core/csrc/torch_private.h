@@ -32,6 +32,10 @@
 //   8. DelayWarningHandler's private warnings_ and mutex_: its
 //      replay_warnings() is not exported, and the eager fallback must replay
 //      what the engine's threads held back, as Engine::execute does.
+//   9. The mangled type names of PyFunctionPreHook and PyFunctionPostHook
+//      (torch/csrc/autograd/python_hook.h), as in item 3: a leaf's grad_fn
+//      hooks are traced only when all of them are Python's; see [Note: Leaf
+//      node hooks].
 // Internal but public in the headers, and used directly where needed:
 // GraphTask's fields (exec_info_, dependencies_, final_callbacks_,
 // keep_graph_, thread_locals_), Engine::set_compiled_autograd and
@@ -63,6 +67,11 @@ nb::object to_py_object(c10::IValue value);
 
 /// 3. Whether `node` is a Python autograd.Function's node (PyNode).
 bool is_py_node(const torch::autograd::Node& node);
+
+/// 9. Whether `hook` is a Python grad_fn pre-hook (Node.register_prehook).
+bool is_python_pre_hook(const torch::autograd::FunctionPreHook& hook);
+/// 9. Whether `hook` is a Python grad_fn post-hook (Node.register_hook).
+bool is_python_post_hook(const torch::autograd::FunctionPostHook& hook);
 
 /// 4. Whether `e` is FunctionPreHook's "not implemented" compiled_args.
 bool is_compiled_args_nyi(const c10::NotImplementedError& e);

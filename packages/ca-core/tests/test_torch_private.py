@@ -48,6 +48,14 @@ def test_3_py_node_is_recognised_by_its_type_name() -> None:
     assert not _C._private_is_py_node(x * 3)
 
 
+def test_9_python_grad_fn_hooks_are_recognised_by_their_type_names() -> None:
+    y = torch.randn(2, requires_grad=True) * 3
+    assert y.grad_fn is not None
+    y.grad_fn.register_prehook(lambda grads: None)
+    y.grad_fn.register_hook(lambda grad_inputs, grad_outputs: None)
+    assert _C._private_grad_fn_hooks_are_python(y)
+
+
 def test_4_hook_without_compiled_args_is_recognised() -> None:
     x = torch.randn(2, requires_grad=True)
     assert _C._private_compiled_args_nyi(x * 3)

@@ -342,3 +342,32 @@ def test_a_warning_raised_in_a_hook_reaches_the_user_once_per_backward(backend: 
     assert result.stats["captures"] == 1 and result.stats["cache_hits"] == 1
     assert result.stats["eager_fallbacks"] == 0
     assert warnings.filters == filters_before
+
+
+@pytest.mark.parametrize("hooks", ["pre", "post", "pre+post"])
+def test_python_hooks_on_a_leafs_grad_accumulator_run_in_eager_order_without_a_break(
+    hooks: str, backend: str
+) -> None:
+    """See [Note: Leaf node hooks]: Megatron/DeepSpeed-style ``grad_acc.register_hook`` per parameter."""
+    a = torch.tensor([1.0, 2.0], requires_grad=True)
+    b = torch.tensor([3.0, 4.0], requires_grad=True)
+    log: list[str] = []
+
+    def step(i: int) -> list[str]:
+        log.clear()
+        a.grad = b.grad = None
+        z = b * 3  # created first, so its branch runs after a's accumulation
+        h = a * 2
+        grad_acc = h.grad_fn.next_functions[0][0]
+        if "pre" in hooks:
+            grad_acc.register_prehook(lambda go: (log.append(f"pre {go[0].tolist()}"), (go[0] * 10,))[1])
+        if "post" in hooks:
+            grad_acc.register_hook(lambda gi, go: log.append(f"post {list(gi)} {go[0].tolist()}"))
+        z.register_hook(lambda g: log.append(f"z hook sees a.grad={a.grad.tolist()}"))
+        (h.sum() + z.sum()).backward()
+        return list(log)
+
+    result = compare(step, backend, tensors=[a, b], steps=2)
+    result.assert_ok()
+    assert result.stats["captures"] == 1 and result.stats["cache_hits"] == 1
+    assert result.stats["graph_breaks"] == 0 and result.stats["eager_fallbacks"] == 0

@@ -30,10 +30,12 @@ read its ``.grad``, the graph accumulates it itself at its eager position
 ca_core). Every other leaf's grad is a graph output that ca_core applies
 through the real AccumulateGrad node after the graph (eager's stealing and
 layout rules, no copy), where nothing can tell the difference. A leaf whose
-AccumulateGrad carries grad_fn pre-hooks or C++ post hooks (DDP's Reducer)
-keeps its real node: after the graph, or behind a graph break
-(``accumulate_grad_now``) at its eager position when a later hook must see it
-first (for a reader of leaf grads, ``NodeRule.reads_leaf_grads``, too).
+AccumulateGrad carries Python grad_fn pre/post hooks has them called in the
+graph around that accumulation (see [Note: Leaf node hooks] in ca_core). A
+leaf whose AccumulateGrad carries C++ hooks (DDP's Reducer) keeps its real
+node: after the graph, or behind a graph break (``accumulate_grad_now``) at
+its eager position when a later hook must see it first (for a reader of leaf
+grads, ``NodeRule.reads_leaf_grads``, too).
 """
 
 from __future__ import annotations
@@ -129,20 +131,26 @@ def _runs_leaf_hooks(node: ca_core.NodeInfo) -> bool:
     return bool(node.num_grad_fn_pre_hooks or node.num_grad_fn_post_hooks or node.num_post_acc_grad_hooks)
 
 
+def _leaf_hooks_collected(node: ca_core.NodeInfo) -> bool:
+    """Whether the graph can call leaf ``node``'s grad_fn hooks (none are C++); see [Note: Leaf node hooks] in ca_core."""
+    return len(node.pre_hooks) == node.num_grad_fn_pre_hooks and len(node.post_hooks) == node.num_grad_fn_post_hooks
+
+
 def _accumulates_in_graph(
     node: ca_core.NodeInfo, graph: ca_core.BackwardGraph, user_code_follows: bool
 ) -> bool:
     """A leaf the graph accumulates itself; see [Note: Leaves accumulated in the graph] in ca_core.
 
     When it has post-accumulate-grad hooks, or when user code runs after it
-    (``user_code_follows``) and could read its ``.grad``.
+    (``user_code_follows``) and could read its ``.grad``; not when it has C++
+    grad_fn pre-hooks.
     """
     return bool(
         graph.accumulate_grad
         and not graph.create_graph
         and node.tensor_slots
         and (node.post_acc_grad_hooks or user_code_follows)
-        and not node.num_grad_fn_pre_hooks
+        and (_leaf_hooks_collected(node) or not node.num_grad_fn_pre_hooks)
     )
 
 
@@ -369,6 +377,13 @@ class _GraphBuilder:
         """An AccumulateGrad node; see [Note: Leaf accumulation order]."""
         user_code_follows = node.index < max(self._last_effect, self._last_reader)
         if _accumulates_in_graph(node, self.graph, user_code_follows):
+            # Python grad_fn pre-hooks, the accumulation (and its
+            # post-accumulate-grad hooks), then grad_fn post-hooks, as
+            # eager's call_function runs them (see [Note: Leaf node hooks]).
+            for pre_hook in node.pre_hooks:
+                buffer = self.unpack(
+                    self.fx.call_function(ops.call_pre_hook, (self.hook_at(pre_hook), list(buffer))), 1
+                )
             self.fx.call_function(
                 ops.accumulate_leaf,
                 (
@@ -377,7 +392,9 @@ class _GraphBuilder:
                     [self.hook_at(h) for h in node.post_acc_grad_hooks],
                 ),
             )
-            if node.num_grad_fn_post_hooks:
+            for post_hook in node.post_hooks:
+                self.fx.call_function(ops.call_post_hook, (self.hook_at(post_hook), [], list(buffer)))
+            if node.num_grad_fn_post_hooks and not _leaf_hooks_collected(node):
                 self.leaf_outputs.append(node.index)
                 self.leaf_hooks_only.append(True)
                 self._leaf_grads.append(buffer[0])
