@@ -133,7 +133,10 @@ def _runs_leaf_hooks(node: ca_core.NodeInfo) -> bool:
 
 def _leaf_hooks_collected(node: ca_core.NodeInfo) -> bool:
     """Whether the graph can call leaf ``node``'s grad_fn hooks (none are C++); see [Note: Leaf node hooks] in ca_core."""
-    return len(node.pre_hooks) == node.num_grad_fn_pre_hooks and len(node.post_hooks) == node.num_grad_fn_post_hooks
+    return (
+        len(node.pre_hooks) == node.num_grad_fn_pre_hooks
+        and len(node.post_hooks) == node.num_grad_fn_post_hooks
+    )
 
 
 def _accumulates_in_graph(
