@@ -371,3 +371,99 @@ def test_python_hooks_on_a_leafs_grad_accumulator_run_in_eager_order_without_a_b
     result.assert_ok()
     assert result.stats["captures"] == 1 and result.stats["cache_hits"] == 1
     assert result.stats["graph_breaks"] == 0 and result.stats["eager_fallbacks"] == 0
+
+
+class _MaybeRaisingBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, log, fail):  # type: ignore[override]
+        ctx.log, ctx.fail = log, fail
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        ctx.log.append("function backward")
+        if ctx.fail:
+            raise KeyError("user error in a Function's backward")
+        return grad * 2, None, None
+
+
+def _raising(log: list[str], fail: bool, kind: str) -> Callable[..., Any]:
+    def hook(*args: Any) -> None:
+        log.append(kind)
+        if fail:
+            raise KeyError(f"user error in a {kind}")
+
+    return hook
+
+
+def _build_with_raising(kind: str, x: torch.Tensor, log: list[str], fail: bool) -> torch.Tensor:
+    """``x``'s graph with a user callable of ``kind`` that logs, then raises if ``fail``."""
+    hook = _raising(log, fail, kind)
+    if kind == "unpack hook":
+
+        def unpack(t: torch.Tensor) -> torch.Tensor:
+            hook()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, unpack):
+            return (x * 1).sin().sum()
+    if kind == "function backward":
+        return _MaybeRaisingBackward.apply(x * 1, log, fail).sum()
+    h = x * 3
+    if kind == "tensor hook":
+        h.register_hook(hook)
+    elif kind == "grad_fn pre-hook":
+        h.grad_fn.register_prehook(hook)
+    elif kind == "grad_fn post-hook":
+        h.grad_fn.register_hook(hook)
+    elif kind == "hook calling an op with a bad argument":
+        h.register_hook(lambda g: (log.append(kind), torch.nn.functional.softmax(g, dim=5))[1])
+    elif kind == "hook failing inside torch's Python code":
+
+        def check(g: torch.Tensor) -> None:
+            log.append(kind)
+            if fail:
+                torch.testing.assert_close(g, g + 1)
+
+        h.register_hook(check)
+    return h.sin().sum()
+
+
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "tensor hook",
+        "grad_fn pre-hook",
+        "grad_fn post-hook",
+        "post-accumulate-grad hook",
+        "unpack hook",
+        "function backward",
+        "hook calling an op with a bad argument",
+        "hook failing inside torch's Python code",
+    ],
+)
+def test_a_users_exception_propagates_as_in_eager_and_runs_its_code_once(kind: str, backend: str) -> None:
+    """See [Note: User errors are tagged]: eager's exception, side effects once, no fallback."""
+
+    def step(i: int) -> tuple[list[str], str, bool]:
+        log: list[str] = []
+        x = torch.tensor([1.0, 2.0], requires_grad=True)
+        if kind == "post-accumulate-grad hook":
+            x.register_post_accumulate_grad_hook(_raising(log, i == 0, kind))
+            loss = (x * 3).sin().sum()
+        else:
+            loss = _build_with_raising(kind, x, log, i == 0)
+        try:
+            loss.backward()
+            error = "none"
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}"
+            tagged = hasattr(e, "__ca_user_error__")
+        else:
+            tagged = False
+        return log, error, tagged
+
+    result = compare(step, backend, steps=3)
+    result.assert_ok()
+    assert result.stats["eager_fallbacks"] == 0
+    assert result.stats["captures"] >= 1 and result.stats["cache_hits"] >= 1

@@ -4,18 +4,15 @@ The suite runs in a fresh process, as ``pytest parity --ca-wrap=eager`` from
 the repository root (its pyproject's settings: a silent eager fallback is an
 error). Its differences must be exactly the expected ones, so a new
 difference fails here and so does a fixed one (remove its entry). The
-per-test capture counts come from the JUnit XML, where ``--ca-wrap`` records
-them as the ``ca_wrap_stats`` property; its JSON lists them for differing
-tests only. ``nox -s parity`` runs the suite with eager and aot_eager.
+per-test outcomes and capture counts come from ``--ca-wrap-json``'s
+``"tests"``. ``nox -s parity`` runs the suite with eager and aot_eager.
 """
 
 from __future__ import annotations
 
-import ast
 import json
 import subprocess
 import sys
-import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
@@ -88,32 +85,10 @@ def test_by_design_reasons_quote_the_readmes_known_differences() -> None:
     assert {reason for reason in reasons if reason not in section} == set()
 
 
-def _wrapped_stats(junit_xml: Path) -> tuple[dict[str, dict[str, int]], list[str]]:
-    """Per test id, the wrapped run's captures and eager fallbacks; and the tests whose eager run did not pass."""
-    stats: dict[str, dict[str, int]] = {}
-    eager_not_passed: list[str] = []
-    for case in ET.parse(junit_xml).getroot().iter("testcase"):
-        name, _, params = case.get("name", "").partition("[")
-        test = f"{case.get('classname', '').replace('.', '/')}.py::{name}"
-        properties = {p.get("name"): p.get("value") for p in case.iter("property")}
-        if properties.get("ca_wrap_mode") == "eager":
-            if (
-                case.find("failure") is not None
-                or case.find("error") is not None
-                or case.find("skipped") is not None
-            ):
-                eager_not_passed.append(test)
-        elif properties.get("ca_wrap_mode") == "ca":
-            stats[test] = ast.literal_eval(properties["ca_wrap_stats"])
-        else:
-            raise AssertionError(f"{test} [{params}] ran without --ca-wrap's mode property: {properties}")
-    return stats, eager_not_passed
-
-
 @needs_checkout
 def test_parity_suite_differs_from_eager_only_where_known(tmp_path: Path) -> None:
     pytest.importorskip("ca_runtime")
-    json_path, xml_path = tmp_path / "wrap.json", tmp_path / "wrap.xml"
+    json_path = tmp_path / "wrap.json"
     command = [
         sys.executable,
         "-m",
@@ -123,19 +98,20 @@ def test_parity_suite_differs_from_eager_only_where_known(tmp_path: Path) -> Non
         "-p",
         "no:cacheprovider",
         f"--ca-wrap-json={json_path}",
-        f"--junitxml={xml_path}",
         "-q",
     ]
     run = subprocess.run(command, check=False, cwd=REPO, capture_output=True, text=True, timeout=600)
     output = (run.stdout + run.stderr)[-4000:]
     # Exit status 1: the known differences fail their wrapped runs.
-    assert run.returncode in (0, 1) and json_path.is_file() and xml_path.is_file(), output
+    assert run.returncode in (0, 1) and json_path.is_file(), output
 
-    stats, eager_not_passed = _wrapped_stats(xml_path)
+    report = json.loads(json_path.read_text())
+    stats = report["tests"]
+    eager_not_passed = sorted(test for test, runs in stats.items() if runs["eager"] != "passed")
     assert eager_not_passed == [], f"every parity test must pass eagerly\n{output}"
     assert len(stats) >= 60, f"only {len(stats)} wrapped tests ran\n{output}"
 
-    differences = {d["test"]: d for d in json.loads(json_path.read_text())["differences"]}
+    differences = {d["test"]: d for d in report["differences"]}
     expected = {**BY_DESIGN, **KNOWN_BUGS}
     new = {test: f"{d['category']}: ca {d['ca']}" for test, d in differences.items() if test not in expected}
     gone = sorted(test for test in expected if test not in differences)

@@ -124,6 +124,29 @@ def test_ca_wrap_runs_every_test_twice_and_reports_differences(pytester: pytest.
     assert report["backend"] == "eager"
     assert [d["test"].split("::")[-1] for d in report["differences"]] == ["test_sees_ca"]
     assert report["differences"][0]["captures"] == 1
+    tests = {test.split("::")[-1]: run for test, run in report["tests"].items()}
+    assert sorted(tests) == ["test_backward_twice_raises", "test_grads[1]", "test_grads[2]", "test_sees_ca"]
+    assert tests["test_grads[1]"] == {"eager": "passed", "ca": "passed", "captures": 1, "eager_fallbacks": 0}
+    assert tests["test_backward_twice_raises"]["captures"] == 1
+
+
+def test_ca_wrap_calls_a_failed_bare_assert_a_value_mismatch(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        """
+        import ca_runtime
+        import torch
+
+        def test_bare_assert():
+            w = torch.ones(3, requires_grad=True)
+            (w * 2).sum().backward()
+            assert ca_runtime.stats()["captures"] == 0
+        """
+    )
+    result = pytester.runpytest_subprocess("--ca-wrap=eager", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(
+        ["*test_bare_assert: value mismatch; eager passed; ca failed (assert 1 == 0*"]
+    )
 
 
 def test_ca_wrap_under_xdist(pytester: pytest.Pytester) -> None:

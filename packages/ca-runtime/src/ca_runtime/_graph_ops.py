@@ -25,10 +25,26 @@ checkpoint (a backward inside a backward) and leaf accumulation that must
 happen before a later hook (see [Note: Leaf accumulation order] in
 ``_capture.py``). Without Dynamo (``compiler_fn`` returns the graph as is)
 every call simply runs.
+
+[Note: User errors are tagged]
+An exception from a user's callable (a tensor, grad_fn, post-accumulate-grad
+or unpack hook, a Function's backward) is tagged where the graph calls it
+(``call_user``: ``__ca_user_error__`` set on the exception, then re-raised),
+and so are the mistakes eager reports in those calls (a backward returning the
+wrong number of grads). Dynamo traces the try/except without a graph break; an
+exception the user's code raises while Dynamo traces it, or while the
+compiled graph runs, passes the handler either way. On a first run
+(``Runtime.run_first``) a tagged exception propagates at once, untagged,
+because eager would raise it and re-running the hooks eagerly would repeat
+their side effects. Anything else is judged by the eager engine (see
+[Note: Whose failure] in ca_core): a user error that surfaces as a compile
+error (an op Dynamo's fake tensors reject: ``softmax(g, dim=5)`` in a hook)
+is raised by eager too and leaves the cache usable.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -38,6 +54,7 @@ import torch
 from ca_runtime._torch_interop import call_backward
 
 __all__ = [
+    "USER_ERROR_TAG",
     "accumulate",
     "accumulate_grad_now",
     "accumulate_leaf",
@@ -51,12 +68,42 @@ __all__ = [
     "call_tensor_hook",
     "call_unpack_hook",
     "call_unpack_hooks_eager",
+    "call_user",
     "materialize_grad",
+    "raised_by_user_code",
     "unwrap_size",
+    "user_error",
     "validate_outputs",
 ]
 
 Grads = list[torch.Tensor | None]
+
+#: The attribute [Note: User errors are tagged] sets on a user's exception.
+USER_ERROR_TAG = "__ca_user_error__"
+
+
+def call_user(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` for a user's callable; see [Note: User errors are tagged]."""
+    try:
+        return fn(*args)
+    except Exception as e:
+        e.__ca_user_error__ = True  # type: ignore[attr-defined]
+        raise
+
+
+def user_error(error: Exception) -> Exception:
+    """``error``, tagged as the user's (a mistake eager reports too)."""
+    error.__ca_user_error__ = True  # type: ignore[attr-defined]
+    return error
+
+
+def raised_by_user_code(error: BaseException) -> bool:
+    """Whether ``error`` passed a user's callable in the graph; removes the tag."""
+    if getattr(error, USER_ERROR_TAG, False) is not True:
+        return False
+    with contextlib.suppress(AttributeError):
+        delattr(error, USER_ERROR_TAG)
+    return True
 
 
 @torch._dynamo.allow_in_graph
@@ -101,13 +148,13 @@ def call_tensor_hook(
     hook: Callable[[torch.Tensor | None], torch.Tensor | None], grad: torch.Tensor | None
 ) -> torch.Tensor | None:
     """A ``Tensor.register_hook`` hook: its result replaces the grad unless None."""
-    result = hook(grad)
+    result = call_user(hook, grad)
     return grad if result is None else result
 
 
 def call_pre_hook(hook: Callable[..., Any], grads: Sequence[torch.Tensor | None]) -> Grads:
     """A ``grad_fn.register_prehook`` hook on the node's input grads."""
-    result = hook(tuple(grads))
+    result = call_user(hook, tuple(grads))
     return list(grads) if result is None else list(result)
 
 
@@ -117,7 +164,7 @@ def call_post_hook(
     inputs: Sequence[torch.Tensor | None],
 ) -> Grads:
     """A ``grad_fn.register_hook`` hook: (grad_inputs, grad_outputs) of the node."""
-    result = hook(tuple(outputs), tuple(inputs))
+    result = call_user(hook, tuple(outputs), tuple(inputs))
     return list(outputs) if result is None else list(result)
 
 
@@ -154,23 +201,27 @@ def call_function_backward(
     given ones, in a form Dynamo inlines, and keeps what the backward writes
     on it (see [Note: ctx writes in a backward] in _torch_interop.py).
     """
-    result = call_backward(ctx, list(saved_tensors), *grads)
+    result = call_user(call_backward, ctx, list(saved_tensors), *grads)
     expected = len(is_variable_input)
     if len(result) > expected and all(g is None for g in result[expected:]):
         result = result[:expected]
     if len(result) != expected:
-        raise RuntimeError(
-            f"function {name} returned an incorrect number of gradients "
-            f"(expected {expected}, got {len(result)})"
+        raise user_error(
+            RuntimeError(
+                f"function {name} returned an incorrect number of gradients "
+                f"(expected {expected}, got {len(result)})"
+            )
         )
     grads_out: Grads = []
     for position, (grad, is_tensor) in enumerate(zip(result, is_variable_input)):
         if is_tensor:
             grads_out.append(grad)
         elif grad is not None:
-            raise RuntimeError(
-                f"function {name} returned a gradient different than None at position "
-                f"{position + 1}, but the corresponding forward input was not a Variable"
+            raise user_error(
+                RuntimeError(
+                    f"function {name} returned a gradient different than None at position "
+                    f"{position + 1}, but the corresponding forward input was not a Variable"
+                )
             )
     return grads_out
 
@@ -205,8 +256,8 @@ def accumulate_leaf(
         return
     torch.ops.inductor.accumulate_grad_.default(variable, variable.grad, grad)
     for hook in hooks:
-        if hook(variable) is not None:
-            raise RuntimeError("Tensor post accumulate grad hooks should return None.")
+        if call_user(hook, variable) is not None:
+            raise user_error(RuntimeError("Tensor post accumulate grad hooks should return None."))
 
 
 @torch._dynamo.disable
@@ -217,7 +268,7 @@ def accumulate_grad_now(node_idx: int, grad: torch.Tensor | None) -> None:
 
 def call_unpack_hook(hook: Callable[[Any], torch.Tensor], packed: Any) -> torch.Tensor:
     """A saved tensor's unpack hook on its packed data; see [Note: Unpack hooks in the graph] in ca_core."""
-    return hook(packed)
+    return call_user(hook, packed)
 
 
 @torch._dynamo.disable
@@ -225,4 +276,4 @@ def call_unpack_hooks_eager(
     hooks: Sequence[Callable[[Any], torch.Tensor]], packed: Sequence[Any]
 ) -> list[torch.Tensor]:
     """Unpack hooks Dynamo would skip, in eager's order, behind one graph break."""
-    return [hook(data) for hook, data in zip(hooks, packed)]
+    return [call_user(hook, data) for hook, data in zip(hooks, packed)]

@@ -20,8 +20,9 @@ which mypy checks ``Runtime`` against):
   None if it failed, with ``last_failure`` saying why: ca_core then runs the
   backward eagerly and calls ``report_fallback`` (and marks the entry failed)
   only if eager succeeds; an error eager raises too was the user's and leaves
-  the entry usable. An exception clearly raised by user code the graph calls
-  (a hook, a Function's backward) is re-raised at once, unchanged.
+  the entry usable. An exception raised by user code the graph calls (a
+  hook, a Function's backward) is re-raised at once, unchanged (see
+  [Note: User errors are tagged] in _graph_ops.py).
 - ``report_fallback(node, reason)``: ca_core could not even walk the graph.
 - ``proxy_call_backward(...)``: torch's PyNode calls this on the installed
   compiler object when a Python Function's node is applied through
@@ -41,19 +42,17 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
-import os
-import sys
 import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from types import TracebackType
 from typing import Any
 
 import ca_core
 import torch
 
 from ca_runtime._capture import UnsupportedNode, build_graph_module
+from ca_runtime._graph_ops import call_user, raised_by_user_code
 from ca_runtime._log import EagerFallbackWarning, GraphBreakWarning, log, miss_log
 from ca_runtime._report import records
 from ca_runtime._state import STATE
@@ -82,13 +81,6 @@ def reset_graph_breaks() -> None:
     STATE.reset()
 
 
-_FRAMEWORK_DIRS = tuple(
-    os.path.dirname(os.path.abspath(m.__file__)) + os.sep
-    for m in (torch, ca_core, sys.modules[__name__.rpartition(".")[0]])
-    if m.__file__
-)
-
-
 def _describe(error: BaseException) -> str:
     """``Type: first line``, followed by the same for its cause (Dynamo wraps backend errors)."""
     parts: list[str] = []
@@ -98,26 +90,6 @@ def _describe(error: BaseException) -> str:
         parts.append(f"{type(seen).__name__}: {lines[0] if lines else ''}".rstrip(": "))
         seen = seen.__cause__ or getattr(seen, "inner_exception", None)
     return " <- ".join(parts)
-
-
-def _raised_by_user_code(error: BaseException) -> bool:
-    """Whether ``error`` came from user code the graph called, not from compiling it.
-
-    Compile failures are Dynamo's exceptions or are raised inside torch, ca_core
-    or ca_runtime; an exception whose innermost Python frame is elsewhere was
-    raised by a hook or a Function's backward, and eager would raise it too.
-    """
-    if isinstance(error, torch._dynamo.exc.TorchDynamoException):
-        return False
-    tb: TracebackType | None = error.__traceback__
-    innermost = None
-    while tb is not None:
-        innermost = tb.tb_frame.f_code.co_filename
-        tb = tb.tb_next
-    if innermost is None:
-        return False
-    path = os.path.abspath(innermost)
-    return not path.startswith(_FRAMEWORK_DIRS)
 
 
 CompilerFn = Callable[[torch.fx.GraphModule], Callable[..., Any]]
@@ -234,7 +206,7 @@ class Runtime:
             with _collecting_tracing_cycles(), warnings_ignored_while_dynamo_compiles():
                 outputs = compiled(inputs, sizes, scalars, hooks)
         except Exception as e:
-            if _raised_by_user_code(e):
+            if raised_by_user_code(e):  # see [Note: User errors are tagged] in _graph_ops.py
                 raise
             # ca_core runs this backward eagerly and calls report_fallback only
             # if eager succeeds (see [Note: Whose failure] in ca_core).
@@ -290,7 +262,8 @@ class Runtime:
             fake = FakeBackwardCFunction(ctx, list(saved_tensors))  # type: ignore[arg-type]
             grads = fake._forward_cls.backward(fake, list(inputs))
             return grads if isinstance(grads, tuple) else (grads,)
-        return call_backward(ctx, list(saved_tensors), *inputs)
+        result: tuple[torch.Tensor | None, ...] = call_user(call_backward, ctx, list(saved_tensors), *inputs)
+        return result
 
     def _fallback(self, node: str, reason: str, record: records.CaptureRecord | None = None) -> None:
         first_line = reason.strip().splitlines()[0] if reason.strip() else reason

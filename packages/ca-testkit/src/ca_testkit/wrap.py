@@ -7,9 +7,10 @@ as usual. unittest.TestCase methods, which pytest does not parametrise, get
 a twin item (``[ca-wrap-ca]``) that runs the method (setUp and tearDown
 included) inside ``enable()``. At the end the tests whose two outcomes differ
 are listed in the terminal summary, each with a reason category and the
-captures and eager fallbacks of its wrapped run, and written to
-``--ca-wrap-json PATH``. Works under pytest-xdist: outcomes travel with the
-test reports.
+captures and eager fallbacks of its wrapped run. ``--ca-wrap-json PATH``
+writes the same differences and, under ``"tests"``, every test run both ways
+with its two outcomes and the wrapped run's captures and eager fallbacks.
+Works under pytest-xdist: outcomes travel with the test reports.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ import pytest
 __all__ = ["Difference", "WrapPlugin", "categorize", "wrapped_run"]
 
 _MODES = ("eager", "ca")
-_ID = re.compile(r"-?ca-wrap-(eager|ca)\b")
+#: The ``ca-wrap-*`` part of a test id, with the dash that joins it to another parameter.
+_ID = re.compile(r"(?<=\[)ca-wrap-(?:eager|ca)-|-?ca-wrap-(?:eager|ca)\b")
 
 
 @dataclass(frozen=True)
@@ -66,7 +68,8 @@ def categorize(eager: Outcome, ca: Outcome) -> str | None:
     if eager.outcome == "passed":
         if re.search(r"freed|saved tensor|weakref|lifetime|alive", ca.error, re.IGNORECASE):
             return "lifetime"
-        if ca.error.startswith("AssertionError"):
+        # pytest reports a rewritten bare ``assert`` as "assert <explanation>".
+        if ca.error.startswith(("AssertionError", "assert ")):
             return "value mismatch"
         return "error raised"
     return "different error"
@@ -190,6 +193,19 @@ class WrapPlugin:
                 )
         return out
 
+    def wrapped_tests(self) -> dict[str, dict[str, Any]]:
+        """Per test run in both modes: both outcomes and the wrapped run's counters."""
+        return {
+            test: {
+                "eager": _describe(by_mode["eager"]),
+                "ca": _describe(by_mode["ca"]),
+                "captures": by_mode["ca"].captures,
+                "eager_fallbacks": by_mode["ca"].eager_fallbacks,
+            }
+            for test, by_mode in sorted(self.outcomes.items())
+            if set(by_mode) == set(_MODES)
+        }
+
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
         differences = self.differences()
         pairs = sum(1 for by_mode in self.outcomes.values() if set(by_mode) == set(_MODES))
@@ -207,7 +223,11 @@ class WrapPlugin:
         if self.json_path and not self.is_worker:
             with open(self.json_path, "w") as f:
                 json.dump(
-                    {"backend": self.backend, "differences": [asdict(d) for d in self.differences()]},
+                    {
+                        "backend": self.backend,
+                        "differences": [asdict(d) for d in self.differences()],
+                        "tests": self.wrapped_tests(),
+                    },
                     f,
                     indent=1,
                 )
