@@ -156,3 +156,18 @@ def test_a_warning_from_torch_inside_the_backward_reaches_the_user_once() -> Non
         y.sum().backward()
     assert torch.equal(x.grad, torch.tensor([6.0, 6.0]))
     assert len(_messages(caught, "An output with one or more elements was resized")) == 1
+
+
+def test_the_profiler_shows_one_range_per_node_with_its_sequence_number() -> None:
+    x = _leaf(1.0, 2.0)
+    y = x * 2
+    z = y.sin()
+    loss = z.sum()
+    expected = {
+        (f"autograd::engine::evaluate_function: {node.name()}", node._sequence_nr())
+        for node in (loss.grad_fn, z.grad_fn, y.grad_fn)
+    }
+    with torch.profiler.profile() as prof:
+        loss.backward()
+    ranges = {(e.name, e.sequence_nr) for e in prof.events() if e.name.startswith("autograd::engine::")}
+    assert expected <= ranges

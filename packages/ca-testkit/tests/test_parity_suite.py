@@ -27,6 +27,10 @@ CURRENT_NODE_IS_NONE = (
     "`torch._C._current_autograd_node()` called from a hook or a custom Function's backward returns `None`"
 )
 ANOMALY_RUNS_EAGERLY = "Anomaly mode runs backwards eagerly"
+ONE_PROFILER_RANGE = (
+    "Under `torch.profiler`, a compiled backward shows as the compiled graph's ranges and kernels, "
+    "not one `autograd::engine::evaluate_function` range per node"
+)
 
 #: Differences by design: test id -> the README known difference it shows.
 BY_DESIGN: dict[str, str] = {
@@ -36,6 +40,9 @@ BY_DESIGN: dict[str, str] = {
     ),
     # A Function's backward is called from the compiled graph too, outside the engine's node loop.
     "parity/test_introspection.py::test_current_autograd_node_in_a_custom_functions_backward": CURRENT_NODE_IS_NONE,
+    "parity/test_introspection.py::test_the_profiler_shows_one_range_per_node_with_its_sequence_number": (
+        ONE_PROFILER_RANGE
+    ),
 }
 
 #: Differences that are ca bugs, reported and not fixed yet: test id -> the bug. Remove an entry once fixed.
