@@ -1,44 +1,160 @@
-"""Where a steady-state backward spends its time: torch.profiler per implementation.
+"""Where a steady-state backward spends its time: torch.profiler and perf, per implementation.
 
-Profiles one warm ``loss.backward()`` of the MLP and the transformer workloads
-of ``bench/run.py`` under eager autograd, ours and torch's built-in compiled
-autograd (same ``compiler_fn``, 1 CPU thread) and prints each one's top
-operators by self CPU time. This is the profile evidence the README's
-performance section cites (what bounds the steady-state ratios).
+For each workload of ``bench/run.py`` (``--workloads``; by default the MLP,
+transformer and GPT-style decoder with inductor and the chain of 1000 muls
+with backend eager and with the no-work compiler) it profiles warm
+``loss.backward()`` calls under eager autograd, ours and torch's built-in
+compiled autograd (same ``compiler_fn``, 1 CPU thread) and prints:
 
-    python bench/profile_models.py [--backend inductor] [--rows 12]
+- each one's top operators by self CPU time (``torch.profiler``);
+- for ours, the breakdown of a cache hit: our walk, the compiled run and our
+  finish (``ca_core`` timings), and inside the run Dynamo's guard check
+  ("TorchDynamo Cache Lookup") and the compiled region's own Python;
+- with ``--perf``, ``perf record`` of a loop of warm backwards per
+  implementation, summarised by shared object (where the CPU time goes:
+  libtorch's kernels, the Python interpreter, ca_core, libc's allocator).
+
+This is the profile evidence ``bench/README.md`` cites.
+
+    python bench/profile_models.py [--workloads mlp:inductor,chain1000:eager] [--rows 12] [--perf]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import shutil
 import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
 
+import ca_core
 import torch
-from run import IMPLS, backend, implementation, mlp, time_backward, transformer
+from run import IMPLS, make_workload, time_backward
+
+DEFAULT = "mlp:inductor,transformer:inductor,gpt:inductor,chain1000:eager,chain1000:no-work"
+#: Profiler events that are ours to explain (the rest are kernels).
+OVERHEAD_EVENTS = ("TorchDynamo Cache Lookup", "Torch-Compiled Region", "## Call CompiledFxGraph")
+
+
+def profile(key: str, compiler_name: str, rows: int, repeats: int = 20) -> dict[str, dict[str, float]]:
+    work = make_workload(key, compiler_name)
+    summary: dict[str, dict[str, float]] = {}
+    for impl in IMPLS:
+        for _ in range(3):
+            time_backward(work, impl)
+        ca_core.set_timing(impl == "ours")
+        before = ca_core.timings()
+        times = [time_backward(work, impl) for _ in range(repeats)]
+        after = ca_core.timings()
+        ca_core.set_timing(False)
+        with torch.profiler.profile() as prof:
+            for _ in range(repeats):
+                time_backward(work, impl)
+        per_call = {"median_ms": statistics.median(times) * 1e3}
+        for event in prof.key_averages():
+            for name in OVERHEAD_EVENTS:
+                if event.key.startswith(name):
+                    per_call[name] = per_call.get(name, 0.0) + event.self_cpu_time_total / repeats / 1e3
+        if impl == "ours":
+            n = max(after["timed_backwards"] - before["timed_backwards"], 1)
+            for part in ("walk", "run", "finish"):
+                per_call[f"ours {part}"] = (after[f"{part}_ns"] - before[f"{part}_ns"]) / n / 1e6
+        summary[impl] = per_call
+        print(
+            f"===== {work.name} ({compiler_name}) / {impl}: "
+            + ", ".join(f"{k} {v:.3f} ms" for k, v in per_call.items())
+        )
+        print(
+            prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=60)
+        )
+    return summary
+
+
+def perf_loop(key: str, compiler_name: str, impl: str, iters: int) -> None:
+    """``--perf-child``: warms up, says so, waits for perf to attach, then runs the loop perf records."""
+    work = make_workload(key, compiler_name)
+    for _ in range(5):
+        time_backward(work, impl)
+    print("warm", flush=True)
+    sys.stdin.readline()
+    for _ in range(iters):
+        time_backward(work, impl)
+
+
+def perf_by_dso(key: str, compiler_name: str, impl: str, iters: int) -> dict[str, float]:
+    """Share of CPU samples per shared object over ``iters`` warm backwards (start-up and warm-up excluded)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        data = Path(tmp) / "perf.data"
+        command = [sys.executable, __file__, "--perf-child", key, compiler_name, impl, str(iters)]
+        child = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert child.stdin is not None and child.stdout is not None
+        if child.stdout.readline().strip() != "warm":
+            child.kill()
+            raise RuntimeError(f"{' '.join(command)} did not warm up")
+        recorder = subprocess.Popen(
+            ["perf", "record", "-q", "-F", "999", "-o", str(data), "-p", str(child.pid)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        time.sleep(0.5)  # perf attaches
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        child.wait()
+        recorder.wait(timeout=60)
+        report = subprocess.run(
+            ["perf", "report", "-i", str(data), "--stdio", "--sort", "dso", "--percent-limit", "1"],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
+    shares: dict[str, float] = {}
+    for line in report.splitlines():
+        parts = line.split()
+        if len(parts) >= 2 and parts[0].endswith("%") and not line.startswith("#"):
+            shares[parts[1]] = float(parts[0].rstrip("%"))
+    return shares
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--backend", default="inductor")
+    parser.add_argument(
+        "--workloads", default=DEFAULT, help=f"comma-separated KEY:COMPILER (default {DEFAULT})"
+    )
     parser.add_argument("--rows", type=int, default=12)
+    parser.add_argument("--perf", action="store_true", help="also perf record each implementation, by DSO")
+    parser.add_argument("--perf-iters", type=int, default=50)
+    parser.add_argument("--json", help="write the summaries here")
+    parser.add_argument("--perf-child", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    for make in (mlp, transformer):
-        work = make()
-        work.compiler = backend(args.backend)
-        for impl in IMPLS:
-            times = [time_backward(work, impl) for _ in range(23)]
-            loss = work.forward(0)
-            for p in work.params:
-                p.grad = None
-            with torch.profiler.profile() as prof, implementation(impl, work.compiler):
-                loss.backward()
-            print(
-                f"===== {work.name} / {impl}: median of 20 warm backwards {statistics.median(times[3:]) * 1e3:.2f} ms"
-            )
-            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
+    if args.perf_child:
+        key, compiler_name, impl, iters = args.perf_child
+        perf_loop(key, compiler_name, impl, int(iters))
+        return
+    if args.perf and shutil.which("perf") is None:
+        parser.error("--perf needs Linux perf on PATH (Debian: apt-get install linux-perf)")
+    results: dict[str, dict[str, object]] = {}
+    for spec in args.workloads.split(","):
+        key, _, compiler_name = spec.partition(":")
+        entry: dict[str, object] = {"profiler": profile(key, compiler_name or "inductor", args.rows)}
+        if args.perf:
+            entry["perf_by_dso"] = {
+                impl: perf_by_dso(key, compiler_name or "inductor", impl, args.perf_iters) for impl in IMPLS
+            }
+            for impl, shares in entry["perf_by_dso"].items():  # type: ignore[union-attr]
+                print(
+                    f"perf {spec} / {impl}: " + ", ".join(f"{dso} {pct:.1f}%" for dso, pct in shares.items())
+                )
+        results[spec] = entry
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="ca_profile_inductor_"))
     main()

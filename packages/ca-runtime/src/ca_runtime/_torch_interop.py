@@ -151,10 +151,11 @@ def warnings_ignored_while_dynamo_compiles() -> Iterator[None]:
     ignore_all = ("ignore", None, Warning, None, 0)
 
     def start(args: Any) -> None:
-        warnings.filters.insert(0, ignore_all)  # type: ignore[attr-defined]
+        filters: list[Any] = warnings.filters  # type: ignore[assignment]
+        filters.insert(0, ignore_all)
 
     def end(args: Any) -> None:
-        filters: list[Any] = warnings.filters  # type: ignore[attr-defined]
+        filters: list[Any] = warnings.filters  # type: ignore[assignment]
         for i, entry in enumerate(filters):
             if entry is ignore_all:
                 del filters[i]
