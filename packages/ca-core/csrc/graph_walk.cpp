@@ -254,12 +254,14 @@ void collect_node_call(CompiledNodeArgs& args, NodeState& ns, Node* fn) {
     hook->compiled_args(args);
     record_new(py, cpp, true);
   }
-  ns.leaf_hooks_collected = ns.is_accumulate_grad &&
-      std::all_of(fn->pre_hooks().begin(), fn->pre_hooks().end(),
-                  [](const auto& h) { return torch_private::is_python_pre_hook(*h); }) &&
-      std::all_of(fn->post_hooks().begin(), fn->post_hooks().end(),
-                  [](const auto& h) { return torch_private::is_python_post_hook(*h); });
-  args.collect(ns.leaf_hooks_collected);
+  if (ns.is_accumulate_grad) {
+    ns.leaf_hooks_collected =
+        std::all_of(fn->pre_hooks().begin(), fn->pre_hooks().end(),
+                    [](const auto& h) { return torch_private::is_python_pre_hook(*h); }) &&
+        std::all_of(fn->post_hooks().begin(), fn->post_hooks().end(),
+                    [](const auto& h) { return torch_private::is_python_post_hook(*h); });
+    args.collect(ns.leaf_hooks_collected);
+  }
   if (ns.is_accumulate_grad && !ns.leaf_hooks_collected) {
     // C++ hooks run around the real node, never traced; see [Note: Leaf node hooks].
     auto collect_types = [&](const auto& hooks) {
@@ -448,14 +450,12 @@ class GraphWalk {
     // Saved tensors with unpack hooks are not lifted; their number matters.
     args.collect_size(ns.collected->sv_to_hooks.size());
     ns.num_apply_sizes = static_cast<uint32_t>(ns.collected->all_size_inputs.size());
-    // A leaf whose grad_fn hooks are Python's (or absent), or without C++ pre
-    // hooks and without C++ post hooks unless it has post-accumulate-grad
-    // hooks, lifts its variable: the graph may
-    // accumulate it at its eager position; see [Note: Leaves accumulated in
-    // the graph].
+    // A leaf lifts its variable, so that the graph may accumulate it at its
+    // eager position, unless it has C++ grad_fn hooks; with C++ post hooks
+    // alone it still does when it has post-accumulate-grad hooks. See [Note:
+    // Leaves accumulated in the graph].
     const bool lifts_variable = ns.is_accumulate_grad &&
-        (ns.leaf_hooks_collected ||
-         (fn->pre_hooks().empty() && (fn->post_hooks().empty() || !call.post_acc_grad_hooks.empty()))) &&
+        (ns.leaf_hooks_collected || (fn->pre_hooks().empty() && !call.post_acc_grad_hooks.empty())) &&
         !ns.collected->tensor_args.inputs.empty();
     if (lifts_variable) {
       const uint32_t slot = slot_of(ns.collected->tensor_args.inputs.front());
