@@ -138,10 +138,11 @@ def set_locals_to_steal(gm: torch.fx.GraphModule, names: list[str]) -> None:
 # ``catch_warnings``: that would bump the filters' version and so reset every
 # module's record of the warnings it has shown, and an ignored warning is not
 # recorded, so a "default"-filtered warning still shows once when the graph
-# runs, and not again. Only the first
-# run of our own graph is covered: the user's own torch.compile calls keep
-# their warnings, and so does a rare Dynamo recompile during a cache hit.
-# Another thread's warnings during that compile are ignored too.
+# runs, and not again. Only the first run of our own graph is covered: the
+# user's own torch.compile calls outside it keep their warnings, and so does
+# a rare Dynamo recompile during a cache hit. A compile the user's code starts
+# inside that first run (a torch.compile'd function called from a hook), and
+# another thread's warnings while Dynamo compiles, are ignored too.
 @contextlib.contextmanager
 def warnings_ignored_while_dynamo_compiles() -> Iterator[None]:
     """7. Inside: warnings raised while Dynamo compiles are dropped; see [Note: Warnings while Dynamo traces]."""
