@@ -536,9 +536,17 @@ std::optional<variable_list> run_graph(BackwardRun& run, nb::object& result) {
   if (result.is_none() && had_dynamic && run.entry_alive()) {
     // See [Note: Static when dynamic fails].
     run.entry->static_sizes = true;
-    if (capture(run)) {
-      result = call_first(run);
+    if (!capture(run)) {
+      // The runtime has warned about this capture's failure, the one warning
+      // this backward gets; as any failed capture, the entry is marked failed.
+      variable_list eager_outputs = run.eager();
+      if (run.entry_alive()) {
+        run.entry->static_sizes = false;
+        mark_failed(*run.entry, run.runtime);
+      }
+      return eager_outputs;
     }
+    result = call_first(run);
     if (result.is_none() && run.entry_alive()) {
       // Static sizes did not help either: not a failure of dynamic sizes
       // (a user's error, or one of ours), so the entry is left as it was.

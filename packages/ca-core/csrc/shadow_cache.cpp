@@ -82,7 +82,9 @@ one graph, so sizes alternating between two values recompile each time),
 never an eager fallback. Only a failure of the static
 graph too is a fallback, and then the entry does not stay static: that
 failure was not the dynamic sizes' (a user's error is judged by eager, see
-[Note: Whose failure], and must not change what gets compiled next).
+[Note: Whose failure], and must not change what gets compiled next). A static
+capture that itself fails (compiler_fn raising) is an ordinary failed
+capture: the runtime's one warning, the entry marked failed.
 
 [Note: Explained misses]
 When a node's key is new at a level of the tree that already has other

@@ -99,3 +99,40 @@ def test_graph_that_cannot_be_dynamic_is_recaptured_static(backend: str) -> None
     assert result.stats["eager_fallbacks"] == 0
     entries = ca_runtime.cache_info()
     assert entries and all(not e.failed and e.dynamic_sizes == 0 for e in entries), entries
+
+
+def test_a_failed_static_recapture_warns_once() -> None:
+    """See [Note: Static when dynamic fails]: the dynamic graph's first run fails, then the static capture's compiler."""
+    calls: list[int] = []
+
+    def compiler(gm: torch.fx.GraphModule) -> Callable[..., Any]:
+        calls.append(len(calls))
+        if len(calls) == 1:
+            return gm  # the first, static capture works
+        if len(calls) == 2:
+
+            def first_run_fails(*args: Any) -> Any:
+                raise RuntimeError("the dynamic graph's first run fails")
+
+            return first_run_fails
+        raise RuntimeError("the static recapture's compiler fails")
+
+    def step(i: int) -> torch.Tensor:
+        x = torch.linspace(0.0, 1.0, 4 + i, requires_grad=True)
+        (x * 2).sin().sum().backward()
+        assert x.grad is not None
+        return x.grad
+
+    with pytest.warns(ca_runtime.EagerFallbackWarning) as caught:
+        result = compare(step, compiler, steps=2)
+    result.assert_ok()
+    assert len(calls) == 3
+    fallbacks = [w for w in caught if issubclass(w.category, ca_runtime.EagerFallbackWarning)]
+    expected = (
+        "ca_runtime: compiler_fn cannot be compiled (RuntimeError: the static recapture's compiler fails); "
+        "this backward runs on the eager engine"
+    )
+    assert [str(w.message) for w in fallbacks] == [expected]
+    assert result.stats["captures"] == 2 and result.stats["eager_fallbacks"] == 1
+    (entry,) = [e for e in ca_runtime.cache_info() if e.failed]
+    assert entry.failure == "compiler_fn: RuntimeError: the static recapture's compiler fails"
