@@ -510,18 +510,39 @@ nb::object call_first(BackwardRun& run) {
       run.state->dynamic_dims);
 }
 
+/// Removes the tag ca_runtime's graph put on the pending exception if a
+/// user's hook or Function raised it, so that it reaches the user exactly as
+/// eager raised it; see [Note: User errors are tagged] in ca_runtime. Only
+/// called on the error path.
+void untag_user_error() {
+  PyObject* type = nullptr;
+  PyObject* value = nullptr;
+  PyObject* traceback = nullptr;
+  PyErr_Fetch(&type, &value, &traceback);
+  PyErr_NormalizeException(&type, &value, &traceback);
+  if (value != nullptr && PyObject_HasAttrString(value, "__ca_user_error__") &&
+      PyObject_DelAttrString(value, "__ca_user_error__") != 0) {
+    PyErr_Clear();
+  }
+  PyErr_Restore(type, value, traceback);
+}
+
 /// Step 4: calls the graph into `result`. Returns the outputs when its first
 /// run failed and the backward ran eagerly instead.
 std::optional<variable_list> run_graph(BackwardRun& run, nb::object& result) {
   StepTimer timer(g_timings.run_ns);
   if (!run.first_run) {
-    result = nb::steal(check_py(PyObject_CallFunctionObjArgs(
+    PyObject* outputs = PyObject_CallFunctionObjArgs(
         run.compiled.ptr(),
         run.args.tensors.ptr(),
         run.args.sizes.ptr(),
         run.args.scalars.ptr(),
         run.args.hooks.ptr(),
-        nullptr)));
+        nullptr);
+    if (C10_UNLIKELY(outputs == nullptr)) {
+      untag_user_error();
+    }
+    result = nb::steal(check_py(outputs));
     return std::nullopt;
   }
   // A failure of a fresh graph is a compile failure: the runtime warns and

@@ -442,17 +442,20 @@ def _build_with_raising(kind: str, x: torch.Tensor, log: list[str], fail: bool) 
         "hook failing inside torch's Python code",
     ],
 )
-def test_a_users_exception_propagates_as_in_eager_and_runs_its_code_once(kind: str, backend: str) -> None:
-    """See [Note: User errors are tagged]: eager's exception, side effects once, no fallback."""
+@pytest.mark.parametrize("failing_step", [0, 1], ids=["on the capture", "on a cache hit"])
+def test_a_users_exception_propagates_as_in_eager_and_runs_its_code_once(
+    kind: str, failing_step: int, backend: str
+) -> None:
+    """See [Note: User errors are tagged]: eager's exception, untagged, side effects once, no fallback."""
 
     def step(i: int) -> tuple[list[str], str, bool]:
         log: list[str] = []
         x = torch.tensor([1.0, 2.0], requires_grad=True)
         if kind == "post-accumulate-grad hook":
-            x.register_post_accumulate_grad_hook(_raising(log, i == 0, kind))
+            x.register_post_accumulate_grad_hook(_raising(log, i == failing_step, kind))
             loss = (x * 3).sin().sum()
         else:
-            loss = _build_with_raising(kind, x, log, i == 0)
+            loss = _build_with_raising(kind, x, log, i == failing_step)
         try:
             loss.backward()
             error = "none"

@@ -36,7 +36,8 @@ exception the user's code raises while Dynamo traces it, or while the
 compiled graph runs, passes the handler either way. On a first run
 (``Runtime.run_first``) a tagged exception propagates at once, untagged,
 because eager would raise it and re-running the hooks eagerly would repeat
-their side effects. Anything else is judged by the eager engine (see
+their side effects; on a cache hit ca_core removes the tag as the exception
+leaves the graph. Anything else is judged by the eager engine (see
 [Note: Whose failure] in ca_core): a user error that surfaces as a compile
 error (an op Dynamo's fake tensors reject: ``softmax(g, dim=5)`` in a hook)
 is raised by eager too and leaves the cache usable.
