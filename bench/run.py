@@ -57,7 +57,7 @@ class Workload:
     params: list[torch.Tensor] = dataclasses.field(default_factory=list)
     #: Its name in WORKLOADS (how a --first-backward process rebuilds it).
     key: str = ""
-    #: Its compiler's name in COMPILERS.
+    #: Its compiler's name (see compiler_named).
     compiler_name: str = ""
 
 
@@ -204,7 +204,7 @@ WORKLOADS: dict[str, Callable[[], Workload]] = {
 
 
 def compiler_named(name: str) -> Compiler:
-    """A COMPILERS entry: a backend name, or ``no-work``."""
+    """The compiler called ``name``: a backend name, or ``no-work``."""
     return no_work if name == "no-work" else backend(name)
 
 
@@ -374,13 +374,14 @@ def measure(work: Workload, iters: int, warmup: int = 3) -> dict[str, Any]:
         "workload": work.name,
         "nodes": work.nodes,
         "first_s": {},
+        "first_captures": {},
         "captures": {},
         "dynamo_graphs": {},
     }
     for impl in ("eager", "ours", "torch"):
         cold = first_backward_cold(work, impl)
         row["first_s"][impl] = cold["first_s"]
-        row["first_captures"] = {**row.get("first_captures", {}), impl: cold["captures"]}
+        row["first_captures"][impl] = cold["captures"]
         reset_all()
         for _ in range(warmup + 1):
             time_backward(work, impl)
