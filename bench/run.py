@@ -39,6 +39,7 @@ import ca_runtime
 import torch
 import torch._inductor.codecache
 import torch._inductor.config
+import torch.utils.checkpoint
 from ca_testkit.implementations import IMPLEMENTATIONS, as_compiler, get_implementation
 from torch._dynamo.utils import counters
 
@@ -194,11 +195,41 @@ def gpt() -> Workload:
     return Workload("GPT-style decoder 6x d384 h6 s128 b4", forward, None, params=list(model.parameters()))
 
 
+def checkpointed_mlp(determinism_check: str = "default") -> Workload:
+    """Three non-reentrant checkpointed blocks 512-1024-512 (GELU), batch 64.
+
+    With the default ``determinism_check`` each region is recomputed inside
+    our graph; with ``"none"`` behind one graph break per region (see
+    [Note: Checkpoint regions in the graph] in ca_runtime).
+    """
+    torch.manual_seed(0)
+    blocks = torch.nn.ModuleList(
+        torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 512))
+        for _ in range(3)
+    )
+    x = torch.randn(64, 512)
+
+    def forward(i: int) -> torch.Tensor:
+        h = x
+        for block in blocks:
+            h = torch.utils.checkpoint.checkpoint(
+                block, h, use_reentrant=False, determinism_check=determinism_check
+            )
+        return h.pow(2).mean()
+
+    name = "checkpointed MLP 3x 512-1024-512 b64" + (
+        ", regions behind breaks" if determinism_check == "none" else ""
+    )
+    return Workload(name, forward, None, params=list(blocks.parameters()))
+
+
 #: Every backward workload by key, for --first-backward's processes.
 WORKLOADS: dict[str, Callable[[], Workload]] = {
     "mlp": mlp,
     "transformer": transformer,
     "gpt": gpt,
+    "ckpt_mlp": checkpointed_mlp,
+    "ckpt_mlp_breaks": functools.partial(checkpointed_mlp, "none"),
     **{f"chain{n}": functools.partial(chain, n) for n in (10, 100, 1000)},
 }
 
@@ -594,6 +625,36 @@ def plot(rows: list[dict[str, Any]], path: Path) -> bool:
     return True
 
 
+def checkpoint_rows(iters: int) -> list[dict[str, Any]]:
+    """The checkpointed MLP with inductor, its regions recomputed in our graph and behind breaks."""
+    rows = []
+    for key in ("ckpt_mlp", "ckpt_mlp_breaks"):
+        work = make_workload(key, "inductor")
+        row = {**measure(work, iters), "backend": "inductor"}
+        reset_all()
+        for _ in range(3):
+            time_backward(work, "ours")
+        row["graph_breaks"] = ca_runtime.stats()["graph_breaks"]
+        rows.append(row)
+        print(row["workload"], {k: f"{v * 1e3:.2f}ms" for k, v in row["median_s"].items()}, flush=True)
+    return rows
+
+
+def checkpoint_markdown(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| workload | eager | torch | ours | ours/eager | ours/torch | our graph breaks | first backward torch / ours (s) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        med, first = r["median_s"], r["first_s"]
+        lines.append(
+            f"| {r['workload']} | {med['eager'] * 1e3:.2f} ms | {med['torch'] * 1e3:.2f} ms | "
+            f"{med['ours'] * 1e3:.2f} ms | {r['ours_over_eager']:.2f} | {r['ours_over_torch']:.2f} | "
+            f"{r['graph_breaks']} | {first['torch']:.1f} / {first['ours']:.1f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=30)
@@ -608,9 +669,9 @@ def main() -> None:
     )
     parser.add_argument(
         "--only",
-        choices=("training", "report-overhead", "memory"),
+        choices=("training", "report-overhead", "memory", "checkpoint"),
         help="run one measurement alone: the compiled training step, the report's cost on cache hits, "
-        "or the peak memory of a backward",
+        "the peak memory of a backward, or checkpointed regions recomputed in the graph or behind breaks",
     )
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -635,6 +696,12 @@ def main() -> None:
         overhead = report_overhead(args.iters)
         (out / "report_overhead.json").write_text(json.dumps(overhead, indent=1))
         print(report_overhead_markdown(overhead))
+        return
+
+    if args.only == "checkpoint":
+        rows = checkpoint_rows(args.iters)
+        (out / "checkpoint.json").write_text(json.dumps(rows, indent=1))
+        print(checkpoint_markdown(rows))
         return
 
     training = compiled_training_step(args.iters)

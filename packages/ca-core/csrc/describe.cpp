@@ -146,6 +146,9 @@ struct NodeInfo {
   /// The unpack hook objects themselves (same order), so that capture can
   /// decide whether Dynamo may trace each one.
   std::vector<nb::object> unpack_hook_fns;
+  /// Their packed data (same order), so that capture can place a checkpoint
+  /// region's tensors; see [Note: Checkpoint regions in the graph] in ca_runtime.
+  std::vector<nb::object> unpack_packed;
   /// Set for a Python torch.autograd.Function the graph can call directly.
   std::optional<FunctionInfo> function;
 };
@@ -345,12 +348,15 @@ nb::object describe_backward(const BackwardState& state, uint64_t entry_id) {
         const auto num_hooks = static_cast<uint32_t>(ns.collected->hooks.size());
         info.unpack_hooks.resize(ns.collected->packed_inputs.size());
         info.unpack_hook_fns.resize(ns.collected->packed_inputs.size());
+        info.unpack_packed.resize(ns.collected->packed_inputs.size());
         for (const auto& [sv, ids] : ns.collected->sv_to_hooks) {
           info.unpack_hooks.at(ids.second) = {
               hook_offset + static_cast<uint32_t>(ids.first),
               hook_offset + num_hooks + static_cast<uint32_t>(ids.second)};
           info.unpack_hook_fns.at(ids.second) =
               nb::borrow(py_object(ns.collected->hooks.at(ids.first)));
+          info.unpack_packed.at(ids.second) =
+              nb::borrow(py_object(ns.collected->packed_inputs.at(ids.second)));
         }
       }
       info.function = describe_function(ns, hook_offset);
@@ -412,6 +418,7 @@ void register_describe(nb::module_& m) {
       .def_ro("num_saved_tensor_hooks", &NodeInfo::num_saved_tensor_hooks)
       .def_ro("unpack_hooks", &NodeInfo::unpack_hooks)
       .def_ro("unpack_hook_fns", &NodeInfo::unpack_hook_fns)
+      .def_ro("unpack_packed", &NodeInfo::unpack_packed)
       .def_ro("function", &NodeInfo::function)
       .def("__repr__", [](const NodeInfo& n) {
         return "NodeInfo(" + std::to_string(n.index) + ", " + n.name + ")";

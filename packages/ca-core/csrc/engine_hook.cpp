@@ -527,10 +527,47 @@ void untag_user_error() {
   PyErr_Restore(type, value, traceback);
 }
 
+/*
+[Note: The running graph's hooks]
+A graph's `hooks` input reaches Dynamo as Python objects, which a custom op
+in the graph cannot take as arguments. ca_runtime's in-graph checkpoint
+recompute (see [Note: Checkpoint regions in the graph] in ca_runtime) is such
+an op: it gets hook and packed-data indices, and reads the objects from the
+list of the graph running on this thread through running_graph_hook(). The
+list is set for the call of the graph and restored after it (a backward
+inside a hook runs its own graph), so it is only ever the innermost graph's.
+*/
+
+/// The `hooks` input of the graph running on this thread, or null.
+PyObject*& running_graph_hooks() {
+  thread_local PyObject* hooks = nullptr;
+  return hooks;
+}
+
+/// Makes `hooks` the running graph's for its scope; see
+/// [Note: The running graph's hooks].
+class RunningHooksGuard {
+ public:
+  explicit RunningHooksGuard(nb::object hooks)
+      : hooks_(std::move(hooks)), prior_(std::exchange(running_graph_hooks(), hooks_.ptr())) {}
+  ~RunningHooksGuard() {
+    running_graph_hooks() = prior_;
+  }
+  RunningHooksGuard(const RunningHooksGuard&) = delete;
+  RunningHooksGuard& operator=(const RunningHooksGuard&) = delete;
+
+ private:
+  /// The list, alive while it is the running graph's.
+  nb::object hooks_;
+  /// The enclosing graph's list (a backward run by a hook), or null.
+  PyObject* prior_;
+};
+
 /// Step 4: calls the graph into `result`. Returns the outputs when its first
 /// run failed and the backward ran eagerly instead.
 std::optional<variable_list> run_graph(BackwardRun& run, nb::object& result) {
   StepTimer timer(g_timings.run_ns);
+  RunningHooksGuard running_hooks(run.args.hooks);
   if (!run.first_run) {
     PyObject* outputs = PyObject_CallFunctionObjArgs(
         run.compiled.ptr(),
@@ -781,6 +818,24 @@ void register_engine_hook(nb::module_& m) {
         Py_XDECREF(prior);
       },
       "Removes ca_core's engine hook: backwards run on the eager engine.");
+  m.def(
+      "running_graph_hook",
+      [](size_t index) -> nb::object {
+        PyObject* hooks = running_graph_hooks();
+        if (hooks == nullptr) {
+          throw nb::value_error("running_graph_hook: no compiled backward graph is running");
+        }
+        if (index >= static_cast<size_t>(PyList_GET_SIZE(hooks))) {
+          throw nb::index_error(
+              ("running_graph_hook: index " + std::to_string(index) + " is out of range for " +
+               std::to_string(PyList_GET_SIZE(hooks)) + " hooks")
+                  .c_str());
+        }
+        return nb::borrow(PyList_GET_ITEM(hooks, static_cast<Py_ssize_t>(index)));
+      },
+      nb::arg("index"),
+      "Item `index` of the `hooks` input of the compiled backward graph "
+      "running on this thread; see [Note: The running graph's hooks].");
   m.def(
       "installed_runtime",
       []() -> nb::object {

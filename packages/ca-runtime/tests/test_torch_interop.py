@@ -96,3 +96,29 @@ def test_5_dynamo_reads_the_locals_to_steal_mark() -> None:
     gm = torch.fx.symbolic_trace(torch.nn.Identity())
     _torch_interop.set_locals_to_steal(gm, ["inputs"])
     assert get_locals_to_steal(gm) == ["inputs"]
+
+
+def test_8_checkpoint_frames_record_each_saved_tensors_metadata() -> None:
+    checkpoint = torch.utils.checkpoint
+    frame = checkpoint._CheckpointFrame(
+        None, True, None, checkpoint._allowed_determinism_checks_to_fns["default"]
+    )
+    hooks = checkpoint._checkpoint_hook(frame)  # what checkpoint(use_reentrant=False) installs
+    x = torch.randn(2, 3)
+    holders = [hooks.pack_hook(torch.randn(5)), hooks.pack_hook(x)]
+    found = _torch_interop.checkpoint_frame(hooks.unpack_hook)
+    assert found is not None and found[0] is frame
+    cell = found[1]
+    assert _torch_interop.checkpoint_saved_index(frame, holders[1]) == 1
+    assert _torch_interop.checkpoint_saved_metadata(hooks.unpack_hook, cell, 1) == {
+        "shape": x.shape,
+        "dtype": x.dtype,
+        "device": x.device,
+    }
+    assert _torch_interop.checkpoint_frame(lambda t: t) is None
+    # determinism_check="none" records nothing to place a tensor by.
+    bare = checkpoint._CheckpointFrame(
+        None, True, None, checkpoint._allowed_determinism_checks_to_fns["none"]
+    )
+    holder = checkpoint._checkpoint_hook(bare).pack_hook(x)
+    assert _torch_interop.checkpoint_saved_index(bare, holder) is None

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import operator
 import re
-import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,12 +49,12 @@ from typing import Any
 import ca_core
 import torch
 import torch.fx
-import torch.utils.checkpoint
 
 from ca_runtime import _graph_ops as ops
 from ca_runtime._aot import NotCopyable, copy_aot_backward
+from ca_runtime._checkpoint import recompute_region
 from ca_runtime._node_rules import HOOK_RULES, Handling, NodeRule, rule_for
-from ca_runtime._torch_interop import dynamo_skips
+from ca_runtime._torch_interop import checkpoint_frame, checkpoint_saved_index, dynamo_skips
 
 __all__ = ["Capture", "GraphBreak", "UnsupportedNode", "build_graph_module"]
 
@@ -118,6 +117,7 @@ _EFFECTFUL = frozenset(
         ops.call_tensor_hook,
         ops.call_unpack_hook,
         ops.call_unpack_hooks_eager,
+        recompute_region,
     }
 )
 
@@ -533,10 +533,13 @@ class _Unpacker:
     """Emits the unpack hooks of traced nodes' saved tensors; see [Note: Unpack hooks in the graph] in ca_core.
 
     A hook Dynamo inlines is called where eager calls it, just before its
-    node. Hooks Dynamo would skip are called behind a graph break of ours,
-    grouped: all unpacks of one non-reentrant checkpoint region in one call
-    at its first unpack (that unpack recomputes the whole region and the
-    others only hand out what it saved), any other node's in one call per node.
+    node. Hooks Dynamo would skip are grouped, each group called at its first
+    unpack: all unpacks of one non-reentrant checkpoint region in one call
+    (that unpack recomputes the whole region and the others only hand out
+    what it saved), in the graph through one opaque op when the region
+    recorded its tensors' metadata (see [Note: Checkpoint regions in the
+    graph]), else behind a graph break of ours; any other node's behind one
+    graph break per node.
     """
 
     def __init__(
@@ -556,15 +559,24 @@ class _Unpacker:
         self._members: dict[tuple[Any, ...], list[tuple[int, int]]] = {}
         #: Per group already called: the graph value of its unpacked list.
         self._called: dict[tuple[Any, ...], torch.fx.Node] = {}
+        #: Per checkpoint group recomputed in the graph: its frame cell and
+        #: each member's index in the frame's records; see
+        #: [Note: Checkpoint regions in the graph].
+        self._in_graph: dict[tuple[Any, ...], tuple[int, list[int | None]]] = {}
         for node in nodes:
             if handlings.get(node.index, (None,))[0] is not Handling.TRACE:
                 continue
-            for pair, hook in zip(node.unpack_hooks, node.unpack_hook_fns):
+            for pair, hook, packed in zip(node.unpack_hooks, node.unpack_hook_fns, node.unpack_packed):
                 if dynamo_skips(hook):
-                    frame = checkpoint_frame(hook)
-                    group = ("node", node.index) if frame is None else ("checkpoint", id(frame))
+                    region = checkpoint_frame(hook)
+                    group = ("node", node.index) if region is None else ("checkpoint", id(region[0]))
                     self._group_of[pair] = group
                     self._members.setdefault(group, []).append(pair)
+                    if region is not None:
+                        frame, cell = region
+                        self._in_graph.setdefault(group, (cell, []))[1].append(
+                            checkpoint_saved_index(frame, packed)
+                        )
 
     def unpacked(self, node: ca_core.NodeInfo) -> list[Any]:
         """Graph values of ``node``'s unpacked saved tensors, in packed-input order."""
@@ -576,6 +588,19 @@ class _Unpacker:
                 values.append(self._fx.call_function(ops.call_unpack_hook, (hook, packed)))
                 continue
             members = self._members[group]
+            in_graph = self._in_graph.get(group)
+            if group not in self._called and in_graph is not None and None not in in_graph[1]:
+                cell, indices = in_graph
+                self._called[group] = self._fx.call_function(
+                    recompute_region,
+                    (
+                        self._hook_at(members[0][0]),
+                        cell,
+                        indices,
+                        [h for h, _ in members],
+                        [d for _, d in members],
+                    ),
+                )
             if group not in self._called:
                 what = "a checkpoint region's" if group[0] == "checkpoint" else "its"
                 self._graph_break(node, f"{what} saved tensors' unpack hooks are skipped by Dynamo")
@@ -587,24 +612,6 @@ class _Unpacker:
                 self._fx.call_function(operator.getitem, (self._called[group], members.index(pair)))
             )
         return values
-
-
-def checkpoint_frame(hook: object) -> object | None:
-    """The region (``_CheckpointFrame``) of non-reentrant checkpoint's unpack hook, else None."""
-    code = getattr(hook, "__code__", None)
-    if code not in _CHECKPOINT_UNPACK_CODES:
-        return None
-    cells = dict(zip(code.co_freevars, hook.__closure__ or ()))  # type: ignore[attr-defined]
-    frame = cells.get("frame")
-    return None if frame is None else frame.cell_contents
-
-
-#: Code of torch.utils.checkpoint's unpack hooks (plain and with a debug callback).
-_CHECKPOINT_UNPACK_CODES = frozenset(
-    c
-    for c in torch.utils.checkpoint._checkpoint_hook.__init__.__code__.co_consts
-    if isinstance(c, types.CodeType) and c.co_name.startswith("unpack_hook")
-)
 
 
 def _call_function(

@@ -23,6 +23,12 @@ Used through this module:
      (see [Note: Saved tensors freed early] in ca_core).
   7. ``torch._dynamo.callback.callback_handler``: Dynamo's compile start/end
      callbacks; see [Note: Warnings while Dynamo traces].
+  8. Non-reentrant ``torch.utils.checkpoint``'s internals: its unpack hooks'
+     code objects and their ``frame`` closure cell (the region's
+     ``_CheckpointFrame``), the frame's ``weak_holders`` and ``x_metadatas``
+     (shape, dtype and device of each saved tensor, recorded at pack time by
+     ``_default_meta_extractor``); see [Note: Checkpoint regions in the graph]
+     in _checkpoint.py.
 Used in place, because they are what the module is about:
   6. AOTAutograd's ``CompiledFunction`` internals in _aot.py (``_aot_id``,
      ``_bw_prologue_fn``, ``metadata``, ``maybe_subclass_metadata``,
@@ -52,11 +58,15 @@ from typing import Any
 
 import ca_core
 import torch
+import torch.utils.checkpoint
 from torch._dynamo.external_utils import FakeBackwardCFunction
 
 __all__ = [
     "FakeBackwardCFunction",
     "call_backward",
+    "checkpoint_frame",
+    "checkpoint_saved_index",
+    "checkpoint_saved_metadata",
     "dynamo_skips",
     "keep_hook_across_torch_disable",
     "rearm_torch_compiled_autograd",
@@ -192,3 +202,46 @@ def dynamo_skips(hook: object) -> bool:
     except Exception:  # noqa: BLE001 - a callable Dynamo cannot classify is not inlined either
         return True
     return isinstance(rule, type) and issubclass(rule, SkipFunctionVariable)
+
+
+#: 8. Code of non-reentrant checkpoint's unpack hooks (plain and with a debug
+#: callback), with the index of their ``frame`` closure cell.
+_CHECKPOINT_FRAME_CELL: dict[types.CodeType, int] = {
+    c: c.co_freevars.index("frame")
+    for c in torch.utils.checkpoint._checkpoint_hook.__init__.__code__.co_consts
+    if isinstance(c, types.CodeType) and c.co_name.startswith("unpack_hook") and "frame" in c.co_freevars
+}
+
+
+def checkpoint_frame(hook: object) -> tuple[Any, int] | None:
+    """8. The region (``_CheckpointFrame``) of a non-reentrant checkpoint unpack hook and its closure cell, else None."""
+    cell = _CHECKPOINT_FRAME_CELL.get(getattr(hook, "__code__", None))  # type: ignore[arg-type]
+    if cell is None:
+        return None
+    return hook.__closure__[cell].cell_contents, cell  # type: ignore[attr-defined]
+
+
+def checkpoint_saved_index(frame: Any, packed: object) -> int | None:
+    """8. Where ``packed`` (a ``_Holder``) is in ``frame.x_metadatas``; None if the frame records no metadata.
+
+    ``x_metadatas`` is one-to-one with ``weak_holders`` when the frame's
+    ``metadata_fn`` is checkpoint's default (``determinism_check="default"``).
+    """
+    if frame.metadata_fn is not torch.utils.checkpoint._allowed_determinism_checks_to_fns["default"]:
+        return None
+    if len(frame.x_metadatas) != len(frame.weak_holders):
+        return None
+    for index, weak in enumerate(frame.weak_holders):
+        if weak() is packed:
+            return index
+    return None
+
+
+def checkpoint_saved_metadata(hook: Any, cell: int, index: int) -> dict[str, Any]:
+    """8. Shape, dtype and device of saved tensor ``index`` of ``hook``'s region, as recorded at pack time.
+
+    Plain attribute reads, so that Dynamo inlines them and guards on the
+    values (a new shape recompiles); see [Note: Checkpoint regions in the graph].
+    """
+    metadata: dict[str, Any] = hook.__closure__[cell].cell_contents.x_metadatas[index]
+    return metadata

@@ -1,0 +1,194 @@
+"""Non-reentrant checkpoint regions recomputed inside the compiled graph, as one opaque op.
+
+[Note: Checkpoint regions in the graph]
+Non-reentrant ``torch.utils.checkpoint`` saves a ``_Holder`` for each tensor
+of a region; its unpack hook recomputes the whole region at the first unpack
+(running the user's forward again under its own pack hooks) and hands out the
+recomputed tensors. Dynamo skips that hook (``torch.utils`` is on its skip
+list), and its work cannot be traced anyway: it records an autograd graph to
+catch what the forward saves. So the capture calls it through a custom op,
+``ca::checkpoint_recompute``, that Dynamo, AOTAutograd and Inductor keep as
+one opaque call: the graph does not break.
+
+- Arguments: the indices in the graph's ``hooks`` input of each unpack hook
+  and its packed data, in eager's unpack order. The op reads the objects of
+  the graph running on this thread (``ca_core.running_graph_hook``, see
+  [Note: The running graph's hooks] in ca_core), because a custom op takes no
+  Python objects. It calls the hooks exactly as eager would (the first one
+  recomputes, the rest hand out), through ``call_user`` (see [Note: User
+  errors are tagged]).
+- Outputs' metadata: the op's fake implementation must know each tensor's
+  shape, dtype and device before anything is recomputed. Checkpoint records
+  them at pack time in the frame's ``x_metadatas`` (its determinism check);
+  ``recompute_region`` reads them with plain attribute reads that Dynamo
+  inlines, so the compiled graph is guarded on them like on any input's
+  shape: a region saving other shapes recompiles. A region without that
+  record (``determinism_check="none"``) is called behind one graph break,
+  as before. The op checks what it returns against the claim and raises
+  rather than hand Inductor a tensor of another shape.
+- Outputs are fresh, dense tensors. Inductor may reuse a dead buffer's memory
+  for a later result, which is only safe for memory nothing else sees, while
+  a recomputed tensor may be a parameter, a region input, or share storage
+  with another recomputed tensor (one activation saved by two nodes). The op
+  clones those, and restrides or copies any that is not contiguous with the
+  standard strides its fake implementation promised. This costs a copy of
+  each parameter a region saves, per backward; the break it replaces cost a
+  Dynamo resume per region.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import ca_core
+import torch
+
+from ca_runtime._graph_ops import call_user
+from ca_runtime._torch_interop import checkpoint_saved_metadata
+
+__all__ = ["recompute_region"]
+
+#: Every dtype, by a code a custom op can take (a list of ints).
+_DTYPES: tuple[torch.dtype, ...] = tuple(
+    sorted({d for d in vars(torch).values() if isinstance(d, torch.dtype)}, key=str)
+)
+_DTYPE_CODE: dict[torch.dtype, int] = {d: i for i, d in enumerate(_DTYPES)}
+#: Device types, by code; a device is passed as (type code, index or -1).
+_DEVICE_TYPES: tuple[str, ...] = (
+    "cpu",
+    "cuda",
+    "xpu",
+    "mps",
+    "hpu",
+    "mtia",
+    "meta",
+    torch._C._get_privateuse1_backend_name(),
+)
+
+
+def _device(code: int, index: int) -> torch.device:
+    return torch.device(_DEVICE_TYPES[code]) if index < 0 else torch.device(_DEVICE_TYPES[code], index)
+
+
+def recompute_region(
+    hook: Any, cell: int, indices: Sequence[int], hook_ids: list[int], packed_ids: list[int]
+) -> list[torch.Tensor]:
+    """The region's unpacked tensors, in ``hook_ids`` order; see [Note: Checkpoint regions in the graph].
+
+    Inlined by Dynamo: ``hook`` (any of the region's unpack hooks) leads to
+    the recorded metadata, and ``indices`` says which record each tensor has.
+    """
+    sizes: list[int] = []
+    ranks: list[int] = []
+    dtypes: list[int] = []
+    devices: list[int] = []
+    for index in indices:
+        metadata = checkpoint_saved_metadata(hook, cell, index)
+        shape = metadata["shape"]
+        sizes.extend(shape)
+        ranks.append(len(shape))
+        dtypes.append(_DTYPE_CODE[metadata["dtype"]])
+        device = metadata["device"]
+        devices.append(_DEVICE_TYPES.index(device.type))
+        devices.append(-1 if device.index is None else device.index)
+    result: list[torch.Tensor] = torch.ops.ca.checkpoint_recompute(
+        hook_ids, packed_ids, sizes, ranks, dtypes, devices
+    )
+    return result
+
+
+#: Dispatch keys excluded outside any compiled code (autocast's, while it is off).
+_EAGER_EXCLUDED_KEYS = torch._C._dispatch_tls_local_exclude_set()
+
+# [Note: Recomputing with autograd on]
+# The recompute must record an autograd graph: checkpoint's pack hooks, which
+# catch the recomputed tensors, only fire when an op saves for backward. A
+# backward compiled by AOTAutograd runs its graph with every dispatch key
+# above the backend excluded, autograd's included, and so its custom ops'
+# kernels run that way too; the op puts the eager excluded set back for the
+# recompute (autocast is then set by checkpoint's recompute itself, as the
+# forward had it).
+
+
+def _shapes(sizes: Sequence[int], ranks: Sequence[int]) -> list[list[int]]:
+    shapes, start = [], 0
+    for rank in ranks:
+        shapes.append(list(sizes[start : start + rank]))
+        start += rank
+    return shapes
+
+
+@torch.library.custom_op("ca::checkpoint_recompute", mutates_args=())
+def _checkpoint_recompute(
+    hook_ids: list[int],
+    packed_ids: list[int],
+    sizes: list[int],
+    ranks: list[int],
+    dtypes: list[int],
+    devices: list[int],
+) -> list[torch.Tensor]:
+    # See [Note: Recomputing with autograd on].
+    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), _EAGER_EXCLUDED_KEYS):
+        unpacked = [
+            call_user(ca_core.running_graph_hook(h), ca_core.running_graph_hook(d))
+            for h, d in zip(hook_ids, packed_ids)
+        ]
+    return _fresh_and_dense(unpacked, _shapes(sizes, ranks), [_DTYPES[d] for d in dtypes])
+
+
+@_checkpoint_recompute.register_fake
+def _(
+    hook_ids: list[int],
+    packed_ids: list[int],
+    sizes: list[int],
+    ranks: list[int],
+    dtypes: list[int],
+    devices: list[int],
+) -> list[torch.Tensor]:
+    return [
+        torch.empty(shape, dtype=_DTYPES[d], device=_device(devices[2 * i], devices[2 * i + 1]))
+        for i, (shape, d) in enumerate(zip(_shapes(sizes, ranks), dtypes))
+    ]
+
+
+def _dense_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for extent in reversed(shape):
+        strides.append(step)
+        step *= max(extent, 1)
+    return tuple(reversed(strides))
+
+
+def _fresh_and_dense(
+    tensors: list[torch.Tensor], shapes: list[list[int]], dtypes: list[torch.dtype]
+) -> list[torch.Tensor]:
+    """``tensors`` as the op promised them: no storage shared with anything, standard contiguous strides."""
+    # Per storage: the Python storage object we hold while counting, and its users.
+    storages: dict[int, tuple[torch.UntypedStorage, list[int]]] = {}
+    for i, (t, shape, dtype) in enumerate(zip(tensors, shapes, dtypes, strict=True)):
+        if list(t.shape) != shape or t.dtype != dtype:
+            raise RuntimeError(
+                f"ca_runtime: a checkpoint region recomputed a {t.dtype} tensor of shape {list(t.shape)} "
+                f"where its forward saved {dtype} of shape {shape}; the compiled graph cannot use it"
+            )
+        storage = t.untyped_storage()
+        storages.setdefault(storage._cdata, (storage, []))[1].append(i)
+    out = list(tensors)
+    for key, (_, users) in storages.items():
+        # References: the storage object we hold, one per distinct tensor of
+        # ours; any other is an alias (a parameter, a region input) we cannot see.
+        distinct = len({id(tensors[i]) for i in users})
+        shared = torch._C._storage_Use_Count(key) - 1 > distinct
+        for n, i in enumerate(users):
+            if shared or n > 0:
+                out[i] = tensors[i].clone(memory_format=torch.contiguous_format)
+    for i, t in enumerate(out):
+        strides = _dense_strides(shapes[i])
+        if t.stride() != strides:
+            out[i] = (
+                t.as_strided(shapes[i], strides, t.storage_offset())
+                if t.is_contiguous()
+                else t.clone(memory_format=torch.contiguous_format)
+            )
+    return out
