@@ -394,20 +394,22 @@ def test_non_reentrant_checkpoint_regions_compile_without_breaks(backend: str, b
 def test_non_reentrant_checkpoint_regions_compile_with_inductor_without_breaks() -> None:
     """Inductor may reuse a dead buffer's memory: the op's outputs never alias a parameter or each other."""
     blocks, x = _checkpointed_blocks("mlp")
-    params_before = [p.detach().clone() for p in blocks.parameters()]
+    mask = (torch.randn(4, 8) > 0).float()  # saved as it is by the region, as a module buffer would be
+    untouched = [*(p.detach() for p in blocks.parameters()), x, mask]
+    before = [t.clone() for t in untouched]
 
     def step() -> None:
         h = x
         for b in blocks:
-            h = torch.utils.checkpoint.checkpoint(b, h, use_reentrant=False)
+            h = torch.utils.checkpoint.checkpoint(lambda t, b=b: b(t) * mask, h, use_reentrant=False)
         h.pow(2).mean().backward()
 
     result = compare(step, "inductor", tensors=blocks, steps=3, atol=1e-5)
     result.assert_ok()
     assert result.stats["eager_fallbacks"] == 0
     assert result.stats["graph_breaks"] == 0
-    for before, after in zip(params_before, blocks.parameters()):
-        torch.testing.assert_close(after.detach(), before, rtol=0, atol=0)
+    for was, now in zip(before, untouched):
+        torch.testing.assert_close(now, was, rtol=0, atol=0)
 
 
 def test_non_reentrant_checkpoint_without_metadata_breaks_once_per_region(backend: str) -> None:
@@ -489,7 +491,16 @@ def test_checkpoint_ops_outputs_share_no_memory_and_are_dense() -> None:
     fresh = torch.randn(4, 3)
     alone = torch.randn(2, 1)
     alone_memory = alone.untyped_storage().data_ptr()
-    tensors = [weight.detach().t(), fresh.detach(), fresh.detach(), torch.randn(3, 5).t(), alone.detach()]
+    held = torch.randn(2, 2)  # checkpoint hands back a tensor without grad as it is: the user's own
+    tensors = [
+        weight.detach().t(),
+        fresh.detach(),
+        fresh.detach(),
+        torch.randn(3, 5).t(),
+        alone.detach(),
+        held,
+        torch.randn(5, 3)[2:],
+    ]
     del fresh, alone
     shapes = [list(t.shape) for t in tensors]
     out = _fresh_and_dense(tensors, shapes, [t.dtype for t in tensors])
@@ -498,8 +509,58 @@ def test_checkpoint_ops_outputs_share_no_memory_and_are_dense() -> None:
         assert o.is_contiguous() and o.stride() == torch.empty(o.shape).stride()
     pointers = [o.untyped_storage().data_ptr() for o in out]
     assert weight.untyped_storage().data_ptr() not in pointers
+    assert held.untyped_storage().data_ptr() not in pointers
+    assert out[6].storage_offset() == 0
     assert len(set(pointers)) == len(out)
     # Nothing else holds the last one: it is handed out as it is.
     assert out[4].untyped_storage().data_ptr() == alone_memory
     with pytest.raises(RuntimeError, match=r"recomputed a torch\.float32 tensor of shape"):
         _fresh_and_dense([torch.randn(2)], [[3]], [torch.float32])
+
+
+def _checkpoint_variant(variant: str) -> tuple[object, list[torch.Tensor]]:
+    """A step checkpointing one small region the way ``variant`` says."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 4)
+    w, x = _leaves((3, 4), (3, 4))
+    checkpoint = torch.utils.checkpoint.checkpoint
+
+    def region(h: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        return torch.nn.functional.gelu(lin(h * w) * scale).sin()
+
+    def dropout_region(h: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.dropout(lin(h), p=0.5, training=True).sin()
+
+    def run(i: int) -> torch.Tensor:
+        torch.manual_seed(i)
+        if variant == "no early stop":
+            with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+                return checkpoint(region, x, use_reentrant=False)
+        if variant == "kwargs":
+            return checkpoint(region, x, use_reentrant=False, scale=2.0)
+        if variant == "region input saved":
+            return checkpoint(torch.sin, x, use_reentrant=False).cos()
+        if variant == "dropout":
+            return checkpoint(dropout_region, x, use_reentrant=False)
+        if variant == "nested":
+            return checkpoint(
+                lambda h: checkpoint(region, h, use_reentrant=False).cos(), x, use_reentrant=False
+            )
+        raise AssertionError(variant)
+
+    def step(i: int) -> None:
+        out = run(i)
+        (out * out).sum().add(out.sum()).backward()
+
+    return step, [x, w, *lin.parameters()]
+
+
+# Not debug=True: in plain eager, a second test using it in one pytest process
+# fails its forward (torch's debug logging mode against pytest's log capture).
+@pytest.mark.parametrize("variant", ["no early stop", "kwargs", "region input saved", "dropout", "nested"])
+def test_checkpoint_variants_recompute_in_the_graph(backend: str, variant: str) -> None:
+    step, tensors = _checkpoint_variant(variant)
+    result = compare(step, backend, tensors=tensors, steps=3, atol=1e-5)
+    result.assert_ok()
+    assert result.stats["eager_fallbacks"] == 0
+    assert result.stats["graph_breaks"] == 0

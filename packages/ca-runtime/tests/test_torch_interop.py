@@ -116,6 +116,14 @@ def test_8_checkpoint_frames_record_each_saved_tensors_metadata() -> None:
         "device": x.device,
     }
     assert _torch_interop.checkpoint_frame(lambda t: t) is None
+    # debug=True installs the unpack hook wrapped with an error callback: found too.
+    debug_frame = checkpoint._CheckpointFrame(
+        None, True, lambda e: None, checkpoint._allowed_determinism_checks_to_fns["default"]
+    )
+    debug_hook = checkpoint._checkpoint_hook(debug_frame).unpack_hook
+    assert debug_hook.__code__.co_name == "unpack_hook_with_error_cb"
+    found = _torch_interop.checkpoint_frame(debug_hook)
+    assert found is not None and found[0] is debug_frame
     # determinism_check="none" records nothing to place a tensor by.
     bare = checkpoint._CheckpointFrame(
         None, True, None, checkpoint._allowed_determinism_checks_to_fns["none"]

@@ -52,7 +52,7 @@ import torch.fx
 
 from ca_runtime import _graph_ops as ops
 from ca_runtime._aot import NotCopyable, copy_aot_backward
-from ca_runtime._checkpoint import recompute_region
+from ca_runtime._checkpoint import recomputable, recompute_region
 from ca_runtime._node_rules import HOOK_RULES, Handling, NodeRule, rule_for
 from ca_runtime._torch_interop import checkpoint_frame, checkpoint_saved_index, dynamo_skips
 
@@ -559,10 +559,10 @@ class _Unpacker:
         self._members: dict[tuple[Any, ...], list[tuple[int, int]]] = {}
         #: Per group already called: the graph value of its unpacked list.
         self._called: dict[tuple[Any, ...], torch.fx.Node] = {}
-        #: Per checkpoint group recomputed in the graph: its frame cell and
-        #: each member's index in the frame's records; see
+        #: Per checkpoint group: its frame, first hook, the hook's frame cell
+        #: and each member's index in the frame's records; see
         #: [Note: Checkpoint regions in the graph].
-        self._in_graph: dict[tuple[Any, ...], tuple[int, list[int | None]]] = {}
+        self._regions: dict[tuple[Any, ...], tuple[Any, Any, int, list[int | None]]] = {}
         for node in nodes:
             if handlings.get(node.index, (None,))[0] is not Handling.TRACE:
                 continue
@@ -574,7 +574,7 @@ class _Unpacker:
                     self._members.setdefault(group, []).append(pair)
                     if region is not None:
                         frame, cell = region
-                        self._in_graph.setdefault(group, (cell, []))[1].append(
+                        self._regions.setdefault(group, (frame, hook, cell, []))[3].append(
                             checkpoint_saved_index(frame, packed)
                         )
 
@@ -588,9 +588,9 @@ class _Unpacker:
                 values.append(self._fx.call_function(ops.call_unpack_hook, (hook, packed)))
                 continue
             members = self._members[group]
-            in_graph = self._in_graph.get(group)
-            if group not in self._called and in_graph is not None and None not in in_graph[1]:
-                cell, indices = in_graph
+            region = self._regions.get(group)
+            if group not in self._called and region is not None and recomputable(*region):
+                _, _, cell, indices = region
                 self._called[group] = self._fx.call_function(
                     recompute_region,
                     (

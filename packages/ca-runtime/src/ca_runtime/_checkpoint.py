@@ -28,16 +28,28 @@ one opaque call: the graph does not break.
   rather than hand Inductor a tensor of another shape.
 - Outputs are fresh, dense tensors. Inductor may reuse a dead buffer's memory
   for a later result, which is only safe for memory nothing else sees, while
-  a recomputed tensor may be a parameter, a region input, or share storage
-  with another recomputed tensor (one activation saved by two nodes). The op
-  clones those, and restrides or copies any that is not contiguous with the
-  standard strides its fake implementation promised. This costs a copy of
-  each parameter a region saves, per backward; the break it replaces cost a
-  Dynamo resume per region.
+  a recomputed tensor may be a parameter's view, a region input or buffer
+  (checkpoint hands a tensor that does not require grad back as it is), or
+  share storage with another recomputed tensor (one activation saved by two
+  nodes). The op clones those (judged by the tensor's and its storage's
+  reference counts), and anything at a storage offset or not contiguous with
+  the standard strides its fake implementation promised. This costs a copy
+  of each parameter and region input a region saves, per backward; the
+  break it replaces cost a Dynamo resume per region.
+- Limits. The region's record indices are fixed at capture: a region whose
+  forward saves a different number of tensors before one of ours, with an
+  unchanged backward graph, gets an error from the op rather than a wrong
+  tensor. A tensor subclass (DTensor) recomputed in a region raises too: its
+  recorded shape is not its local one. The op is tagged cudagraph_unsafe: it
+  runs Python.
+- Capture reads only the records (``recomputable``): unpacking anything,
+  even a region's saved inputs, could run another (outer, nested) region's
+  recompute before the graph does.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -47,7 +59,7 @@ import torch
 from ca_runtime._graph_ops import call_user
 from ca_runtime._torch_interop import checkpoint_saved_metadata
 
-__all__ = ["recompute_region"]
+__all__ = ["recomputable", "recompute_region"]
 
 #: Every dtype, by a code a custom op can take (a list of ints).
 _DTYPES: tuple[torch.dtype, ...] = tuple(
@@ -69,6 +81,18 @@ _DEVICE_TYPES: tuple[str, ...] = (
 
 def _device(code: int, index: int) -> torch.device:
     return torch.device(_DEVICE_TYPES[code]) if index < 0 else torch.device(_DEVICE_TYPES[code], index)
+
+
+def recomputable(frame: Any, hook: Any, cell: int, indices: Sequence[int | None]) -> bool:
+    """Whether the op can recompute this region: metadata recorded for every tensor, on known devices.
+
+    Reads nothing but the records: unpacking anything here (the region's
+    saved inputs) could run another region's recompute at capture.
+    """
+    return all(
+        index is not None and checkpoint_saved_metadata(hook, cell, index)["device"].type in _DEVICE_TYPES
+        for index in indices
+    )
 
 
 def recompute_region(
@@ -119,7 +143,8 @@ def _shapes(sizes: Sequence[int], ranks: Sequence[int]) -> list[list[int]]:
     return shapes
 
 
-@torch.library.custom_op("ca::checkpoint_recompute", mutates_args=())
+# Not replayable by a CUDA graph: it runs the user's forward in Python.
+@torch.library.custom_op("ca::checkpoint_recompute", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
 def _checkpoint_recompute(
     hook_ids: list[int],
     packed_ids: list[int],
@@ -160,35 +185,63 @@ def _dense_strides(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
+def _references(t: torch.Tensor) -> int:
+    """Python references to ``t``, called as ``_references(a_list[i])``."""
+    return sys.getrefcount(t)
+
+
+#: _references of a tensor held by one list slot alone.
+_probe = [torch.empty(0)]
+_LIST_SLOT_ONLY = _references(_probe[0])
+del _probe
+
+
 def _fresh_and_dense(
     tensors: list[torch.Tensor], shapes: list[list[int]], dtypes: list[torch.dtype]
 ) -> list[torch.Tensor]:
-    """``tensors`` as the op promised them: no storage shared with anything, standard contiguous strides."""
+    """``tensors`` as the op promised them; see [Note: Checkpoint regions in the graph].
+
+    Each output is a plain tensor of the claimed shape and dtype, with
+    standard contiguous strides and storage offset 0, whose memory nothing
+    else can see: a tensor anyone else holds (checkpoint hands back a tensor
+    that does not require grad as it is: a region input, a module buffer), or
+    whose storage anyone else holds (a parameter's view), or that shares a
+    storage with an earlier output, is cloned.
+    """
     # Per storage: the Python storage object we hold while counting, and its users.
     storages: dict[int, tuple[torch.UntypedStorage, list[int]]] = {}
-    for i, (t, shape, dtype) in enumerate(zip(tensors, shapes, dtypes, strict=True)):
+    alone = [False] * len(tensors)
+    for i in range(len(tensors)):
+        t, shape, dtype = tensors[i], shapes[i], dtypes[i]
+        if type(t) not in (torch.Tensor, torch.nn.Parameter):
+            raise RuntimeError(
+                f"ca_runtime: a checkpoint region recomputed a {type(t).__name__}; only plain tensors "
+                "can be recomputed inside the compiled graph"
+            )
         if list(t.shape) != shape or t.dtype != dtype:
             raise RuntimeError(
                 f"ca_runtime: a checkpoint region recomputed a {t.dtype} tensor of shape {list(t.shape)} "
                 f"where its forward saved {dtype} of shape {shape}; the compiled graph cannot use it"
             )
-        storage = t.untyped_storage()
+        del t
+        # Held by our list alone, in Python and in C++.
+        alone[i] = _references(tensors[i]) == _LIST_SLOT_ONLY and tensors[i]._use_count() == 1  # type: ignore[attr-defined]
+        storage = tensors[i].untyped_storage()
         storages.setdefault(storage._cdata, (storage, []))[1].append(i)
     out = list(tensors)
     for key, (_, users) in storages.items():
         # References: the storage object we hold, one per distinct tensor of
         # ours; any other is an alias (a parameter, a region input) we cannot see.
         distinct = len({id(tensors[i]) for i in users})
-        shared = torch._C._storage_Use_Count(key) - 1 > distinct
+        shared = torch._C._storage_Use_Count(key) - 1 > distinct or not all(alone[i] for i in users)
         for n, i in enumerate(users):
             if shared or n > 0:
                 out[i] = tensors[i].clone(memory_format=torch.contiguous_format)
     for i, t in enumerate(out):
         strides = _dense_strides(shapes[i])
-        if t.stride() != strides:
-            out[i] = (
-                t.as_strided(shapes[i], strides, t.storage_offset())
-                if t.is_contiguous()
-                else t.clone(memory_format=torch.contiguous_format)
-            )
+        if t.storage_offset() != 0 or not t.is_contiguous():
+            # An offset view may be misaligned for a kernel that assumes a fresh allocation.
+            out[i] = t.clone(memory_format=torch.contiguous_format)
+        elif t.stride() != strides:
+            out[i] = t.as_strided(shapes[i], strides)
     return out
