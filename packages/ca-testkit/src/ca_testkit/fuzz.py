@@ -5,8 +5,9 @@ A ``Program`` is a list of ``Step`` rows over a pool of tensors: a few leaves
 ``Linear(4, 4)`` module ``lin``, then ops that each append one tensor to the
 pool. Ops come from ``OPS``, a table of elementwise, matmul, reduction,
 broadcasting, view, indexing, in-place (on views too: CopySlices), ``detach``,
-multi-output rows, a Python ``autograd.Function`` with a ctx scalar and ops
-whose saved sizes or scalars depend on the step. Hooks of every kind are
+multi-output rows, a Python ``autograd.Function`` with a ctx scalar, a
+non-reentrant checkpoint region and ops whose saved sizes or scalars depend
+on the step. Hooks of every kind are
 attached: tensor hooks, grad_fn pre and post hooks, post-accumulate-grad hooks
 on leaves and a module full backward hook. The backward runs from one or more
 roots, once or several times (``retain_graph``).
@@ -29,6 +30,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 
 __all__ = ["OPS", "Program", "Step", "Variant", "check_program", "programs", "replay", "run_program"]
 
@@ -57,6 +59,13 @@ def view_inplace(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return c
 
 
+def checkpointed(a: torch.Tensor, b: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
+    """A non-reentrant checkpoint region saving an input, the weight and its activations."""
+    return torch.utils.checkpoint.checkpoint(
+        lambda x, y: ((x * y).sin() @ W).relu() + x, a, b, use_reentrant=False
+    )
+
+
 def split_rows(a: torch.Tensor) -> torch.Tensor:
     """Two narrows whose saved start/length depend on the row count."""
     half = a.shape[0] // 2
@@ -72,7 +81,13 @@ class OpSpec:
     fn: Callable[..., torch.Tensor]
 
 
-_OP_NAMESPACE = {"torch": torch, "Scale": Scale, "view_inplace": view_inplace, "split_rows": split_rows}
+_OP_NAMESPACE = {
+    "torch": torch,
+    "Scale": Scale,
+    "view_inplace": view_inplace,
+    "split_rows": split_rows,
+    "checkpointed": checkpointed,
+}
 
 
 def _op(arity: int, code: str) -> OpSpec:
@@ -116,6 +131,7 @@ OPS: dict[str, OpSpec] = {
     "detach": _op(2, "a.detach() * b"),
     "chunk_cat": _op(1, "torch.cat(list(reversed(a.chunk(2, dim=1))), dim=1)"),
     "unbind_stack": _op(1, "torch.stack(a.unbind(1)[::-1], dim=1)"),
+    "checkpoint": _op(2, "checkpointed(a, b, W)"),
 }
 
 #: Hooks a step may attach to its output: tensor hooks and grad_fn pre/post hooks.
