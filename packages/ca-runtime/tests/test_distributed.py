@@ -32,8 +32,17 @@ def _run_job(case: str, backend: str, steps: int = 4, timeout: float = 300) -> s
 #: case -> graph breaks per captured graph. FSDP2's post-backward reads the
 #: unsharded parameters' .grad: the leaves before it are accumulated inside
 #: the graph at their eager position, without a break (see [Note: Leaves
-#: accumulated in the graph]).
-_BREAKS = {"cpp_reducer": 0, "no_sync": 0, "find_unused": 0, "python_reducer": 0, "fsdp2": 0}
+#: accumulated in the graph]). With activation checkpointing each region is
+#: recomputed inside the graph (see [Note: Checkpoint regions in the graph]).
+_BREAKS = {
+    "cpp_reducer": 0,
+    "no_sync": 0,
+    "find_unused": 0,
+    "python_reducer": 0,
+    "fsdp2": 0,
+    "ddp_checkpoint": 0,
+    "fsdp2_checkpoint": 0,
+}
 
 
 @pytest.mark.parametrize("case", list(_BREAKS))

@@ -35,7 +35,9 @@ graph around that accumulation (see [Note: Leaf node hooks] in ca_core). A
 leaf whose AccumulateGrad carries C++ hooks (DDP's Reducer) keeps its real
 node: after the graph, or behind a graph break (``accumulate_grad_now``) at
 its eager position when a later hook must see it first (for a reader of leaf
-grads, ``NodeRule.reads_leaf_grads``, too).
+grads, ``NodeRule.reads_leaf_grads``, too). A checkpoint region's recompute
+(its unpack hooks) is not counted as such user code: it reruns the forward,
+which reads parameters, not grads, so DDP with checkpointing keeps one graph.
 """
 
 from __future__ import annotations
@@ -315,10 +317,11 @@ class _GraphBuilder:
             # Its post-accumulate-grad hooks are called from the graph; see
             # [Note: Leaves accumulated in the graph] in ca_core.
             return bool(node.post_acc_grad_hooks)
-        return bool(node.unpack_hooks) or self._rules[node.index].handling not in (
-            Handling.TRACE,
-            Handling.AOT,
-        )
+        # A checkpoint region's recompute reruns the user's forward, which
+        # reads parameters, not grads: not a reader of leaf grads.
+        if any(checkpoint_frame(hook) is None for hook in node.unpack_hook_fns):
+            return True
+        return self._rules[node.index].handling not in (Handling.TRACE, Handling.AOT)
 
     # -- the walk -------------------------------------------------------------
 

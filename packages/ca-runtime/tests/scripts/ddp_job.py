@@ -12,6 +12,7 @@ import json
 import sys
 
 import torch
+import torch.utils.checkpoint
 from ca_testkit import compare, run_ranks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -33,11 +34,30 @@ def _mlp() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
 
 
+class Checkpointed(torch.nn.Module):
+    """``inner`` run under non-reentrant activation checkpointing."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=False)
+
+
+def _checkpointed_mlp() -> torch.nn.Module:
+    """Two checkpointed blocks, each recomputed inside the compiled graph."""
+    return torch.nn.Sequential(
+        Checkpointed(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))),
+        Checkpointed(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))),
+    )
+
+
 def _fully_shard(model: torch.nn.Module) -> torch.nn.Module:
     """FSDP2: each Linear its own group, then the root."""
     from torch.distributed.fsdp import fully_shard
 
-    for layer in model:
+    for layer in model.modules():
         if isinstance(layer, torch.nn.Linear):
             fully_shard(layer)
     return fully_shard(model)
@@ -50,6 +70,8 @@ CASES = {
     "find_unused": (Branchy, lambda m: DDP(m, find_unused_parameters=True), None, False),
     "python_reducer": (_mlp, DDP, "python_reducer", False),
     "fsdp2": (_mlp, _fully_shard, None, False),
+    "ddp_checkpoint": (_checkpointed_mlp, DDP, None, False),
+    "fsdp2_checkpoint": (_checkpointed_mlp, _fully_shard, None, False),
 }
 
 
