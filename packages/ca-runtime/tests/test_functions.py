@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import gc
 import warnings
 import weakref
@@ -546,10 +547,31 @@ def _checkpoint_variant(variant: str) -> tuple[object, list[torch.Tensor]]:
             return checkpoint(
                 lambda h: checkpoint(region, h, use_reentrant=False).cos(), x, use_reentrant=False
             )
+        if variant == "selective":
+            # Selective activation checkpointing: matmuls are saved, the rest recomputed.
+            policy = functools.partial(
+                torch.utils.checkpoint.create_selective_checkpoint_contexts,
+                [torch.ops.aten.mm.default, torch.ops.aten.addmm.default],
+            )
+            return checkpoint(region, x, use_reentrant=False, context_fn=policy)
+        if variant == "autocast":
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return checkpoint(region, x, use_reentrant=False).float()
+        if variant == "tuple output":
+            a, b = checkpoint(lambda h: (region(h), h.exp()), x, use_reentrant=False)
+            return a * b
+        if variant in ("retain_graph", "autograd.grad"):
+            return checkpoint(region, x, use_reentrant=False)
         raise AssertionError(variant)
 
     def step(i: int) -> None:
         out = run(i)
+        if variant == "retain_graph":
+            out.sum().backward(retain_graph=True)
+        if variant == "autograd.grad":
+            (g,) = torch.autograd.grad((out * out).sum(), w)
+            w.grad = g if w.grad is None else w.grad + g
+            return
         (out * out).sum().add(out.sum()).backward()
 
     return step, [x, w, *lin.parameters()]
@@ -557,7 +579,21 @@ def _checkpoint_variant(variant: str) -> tuple[object, list[torch.Tensor]]:
 
 # Not debug=True: in plain eager, a second test using it in one pytest process
 # fails its forward (torch's debug logging mode against pytest's log capture).
-@pytest.mark.parametrize("variant", ["no early stop", "kwargs", "region input saved", "dropout", "nested"])
+@pytest.mark.parametrize(
+    "variant",
+    [
+        "no early stop",
+        "kwargs",
+        "region input saved",
+        "dropout",
+        "nested",
+        "selective",
+        "autocast",
+        "tuple output",
+        "retain_graph",
+        "autograd.grad",
+    ],
+)
 def test_checkpoint_variants_recompute_in_the_graph(backend: str, variant: str) -> None:
     step, tensors = _checkpoint_variant(variant)
     result = compare(step, backend, tensors=tensors, steps=3, atol=1e-5)
