@@ -465,7 +465,7 @@ class _GraphBuilder:
     def _apply_traced(self, node: ca_core.NodeInfo, buffer: list[Any], why: str) -> torch.fx.Node:
         """One call for the node and its output check; see [Note: One call per node] in ca_core."""
         saved, apply_sizes, scalars = self._saved(node)
-        saved += self._unpacker.unpacked(node)
+        saved += self._unpacker.unpacked(node, buffer)
         validate_sizes = self.sizes_for(node.size_offset + node.num_apply_sizes, node.num_validate_sizes)
         return _call_for(
             self.fx,
@@ -581,7 +581,7 @@ class _Unpacker:
                             checkpoint_saved_index(frame, packed)
                         )
 
-    def unpacked(self, node: ca_core.NodeInfo) -> list[Any]:
+    def unpacked(self, node: ca_core.NodeInfo, buffer: Sequence[Any]) -> list[Any]:
         """Graph values of ``node``'s unpacked saved tensors, in packed-input order."""
         values: list[Any] = []
         for pair in node.unpack_hooks:
@@ -602,6 +602,8 @@ class _Unpacker:
                         indices,
                         [h for h, _ in members],
                         [d for _, d in members],
+                        # Where eager recomputes: after the node's input grads exist.
+                        next((grad for grad in buffer if grad is not None), None),
                     ),
                 )
             if group not in self._called:

@@ -26,6 +26,12 @@ one opaque call: the graph does not break.
   record (``determinism_check="none"``) is called behind one graph break,
   as before. The op checks what it returns against the claim and raises
   rather than hand Inductor a tensor of another shape.
+- Position: the op also takes the first input grad of the node that unpacks
+  first (``after``), and ignores it. With no tensor input nothing orders the
+  op, and Inductor ran every region's recompute at the start of the graph,
+  which keeps all regions' recomputed activations alive at once: the memory
+  checkpointing exists to save. With it, a region is recomputed where eager
+  recomputes it, after the regions after it have been used and freed.
 - Outputs are fresh, dense tensors. Inductor may reuse a dead buffer's memory
   for a later result, which is only safe for memory nothing else sees, while
   a recomputed tensor may be a parameter's view, a region input or buffer
@@ -96,7 +102,12 @@ def recomputable(frame: Any, hook: Any, cell: int, indices: Sequence[int | None]
 
 
 def recompute_region(
-    hook: Any, cell: int, indices: Sequence[int], hook_ids: list[int], packed_ids: list[int]
+    hook: Any,
+    cell: int,
+    indices: Sequence[int],
+    hook_ids: list[int],
+    packed_ids: list[int],
+    after: torch.Tensor | None,
 ) -> list[torch.Tensor]:
     """The region's unpacked tensors, in ``hook_ids`` order; see [Note: Checkpoint regions in the graph].
 
@@ -117,7 +128,7 @@ def recompute_region(
         devices.append(_DEVICE_TYPES.index(device.type))
         devices.append(-1 if device.index is None else device.index)
     result: list[torch.Tensor] = torch.ops.ca.checkpoint_recompute(
-        hook_ids, packed_ids, sizes, ranks, dtypes, devices
+        after, hook_ids, packed_ids, sizes, ranks, dtypes, devices
     )
     return result
 
@@ -146,6 +157,7 @@ def _shapes(sizes: Sequence[int], ranks: Sequence[int]) -> list[list[int]]:
 # Not replayable by a CUDA graph: it runs the user's forward in Python.
 @torch.library.custom_op("ca::checkpoint_recompute", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
 def _checkpoint_recompute(
+    after: torch.Tensor | None,
     hook_ids: list[int],
     packed_ids: list[int],
     sizes: list[int],
@@ -164,6 +176,7 @@ def _checkpoint_recompute(
 
 @_checkpoint_recompute.register_fake
 def _(
+    after: torch.Tensor | None,
     hook_ids: list[int],
     packed_ids: list[int],
     sizes: list[int],

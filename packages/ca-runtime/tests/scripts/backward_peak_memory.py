@@ -2,7 +2,9 @@
 
 Run with MALLOC_MMAP_THRESHOLD_=65536 (every tensor buffer its own mapping,
 freed to the system at once) so that RSS follows live tensor bytes; see
-bench/run.py's backward_peak_bytes. Usage: backward_peak_memory.py BACKEND.
+bench/run.py's backward_peak_bytes. Usage: backward_peak_memory.py BACKEND
+[checkpoint]; with ``checkpoint`` each pair of layers is a non-reentrant
+checkpointed region.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import sys
 
 import ca_runtime
 import torch
+import torch.utils.checkpoint
 
 
 def _rss_kib() -> dict[str, int]:
@@ -37,6 +40,15 @@ def main() -> None:
     layers = [m for _ in range(8) for m in (torch.nn.Linear(1024, 1024), torch.nn.ReLU())]
     model = torch.nn.Sequential(*layers)
     x = torch.randn(512, 1024)
+    if sys.argv[2:] == ["checkpoint"]:
+        regions = [torch.nn.Sequential(*layers[i : i + 4]) for i in range(0, len(layers), 4)]
+
+        def forward(h: torch.Tensor) -> torch.Tensor:
+            for region in regions:
+                h = torch.utils.checkpoint.checkpoint(region, h, use_reentrant=False)
+            return h
+
+        model.forward = forward  # type: ignore[method-assign]
     contexts = {"eager": contextlib.nullcontext, "ca": lambda: ca_runtime.enable(sys.argv[1])}
     peaks = {}
     for name, make in contexts.items():
