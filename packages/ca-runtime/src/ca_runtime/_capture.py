@@ -562,10 +562,10 @@ class _Unpacker:
         self._members: dict[tuple[Any, ...], list[tuple[int, int]]] = {}
         #: Per group already called: the graph value of its unpacked list.
         self._called: dict[tuple[Any, ...], torch.fx.Node] = {}
-        #: Per checkpoint group: its frame, first hook, the hook's frame cell
-        #: and each member's index in the frame's records; see
+        #: Per checkpoint group: its first hook, the hook's frame cell and
+        #: each member's index in the frame's records; see
         #: [Note: Checkpoint regions in the graph].
-        self._regions: dict[tuple[Any, ...], tuple[Any, Any, int, list[int | None]]] = {}
+        self._regions: dict[tuple[Any, ...], tuple[Any, int, list[int | None]]] = {}
         for node in nodes:
             if handlings.get(node.index, (None,))[0] is not Handling.TRACE:
                 continue
@@ -577,7 +577,7 @@ class _Unpacker:
                     self._members.setdefault(group, []).append(pair)
                     if region is not None:
                         frame, cell = region
-                        self._regions.setdefault(group, (frame, hook, cell, []))[3].append(
+                        self._regions.setdefault(group, (hook, cell, []))[2].append(
                             checkpoint_saved_index(frame, packed)
                         )
 
@@ -593,7 +593,7 @@ class _Unpacker:
             members = self._members[group]
             region = self._regions.get(group)
             if group not in self._called and region is not None and recomputable(*region):
-                _, _, cell, indices = region
+                _, cell, indices = region
                 self._called[group] = self._fx.call_function(
                     recompute_region,
                     (

@@ -89,7 +89,7 @@ def _device(code: int, index: int) -> torch.device:
     return torch.device(_DEVICE_TYPES[code]) if index < 0 else torch.device(_DEVICE_TYPES[code], index)
 
 
-def recomputable(frame: Any, hook: Any, cell: int, indices: Sequence[int | None]) -> bool:
+def recomputable(hook: Any, cell: int, indices: Sequence[int | None]) -> bool:
     """Whether the op can recompute this region: metadata recorded for every tensor, on known devices.
 
     Reads nothing but the records: unpacking anything here (the region's
