@@ -12,7 +12,10 @@ PNG of per-node overhead against node count.
 
 A last workload times whole training steps (forward + backward) of a
 decoder whose forward is ``torch.compile``'d with inductor: the backward on
-the eager engine (torch.compile alone), on torch's compiled autograd, on ours.
+the eager engine (torch.compile alone), on torch's compiled autograd, on
+ours, and on ours with Inductor compiling in the background
+(``compile_in_background=True``, "ours-bg"; also a first-backward column
+of the inductor workloads).
 
     python bench/run.py [--iters 30] [--out bench/results] [--quick] [--only training]
     python bench/run.py --first-backward gpt inductor ours   # one cold first backward, as JSON
@@ -77,6 +80,11 @@ def no_work(gm: torch.fx.GraphModule) -> Callable[..., Any]:
 def implementation(impl: str, compiler: Compiler | None) -> Iterator[None]:
     if impl == "eager":
         with ca_runtime.disable():
+            yield
+    elif impl == "ours-bg":
+        # Ours with Inductor compiling in the background (see [Note: Compiling
+        # in the background]): the backend is "inductor" whatever `compiler` is.
+        with ca_runtime.enable("inductor", compile_in_background=True):
             yield
     else:
         assert compiler is not None
@@ -251,6 +259,7 @@ def first_backward_here(key: str, compiler_name: str, impl: str) -> dict[str, An
     first_s = time_backward(work, impl)
     captures = {
         "ours": ca_runtime.stats()["captures"],
+        "ours-bg": ca_runtime.stats()["captures"],
         "torch": int(counters["compiled_autograd"]["captures"]),
         "eager": 0,
     }[impl]
@@ -280,8 +289,11 @@ def first_backward_cold(work: Workload, impl: str) -> dict[str, Any]:
 
 
 #: The compiled training step's implementations: the backward on the eager
-#: engine (torch.compile alone), torch's compiled autograd, ours.
-STEP_IMPLS = ("compile", "torch", "ours")
+#: engine (torch.compile alone), torch's compiled autograd, ours, and ours with
+#: Inductor compiling in the background.
+STEP_IMPLS = ("compile", "torch", "ours", "ours-bg")
+#: Steps timed from cold, the first included: how soon a job gets going.
+COLD_STEPS = 10
 
 
 def compiled_training_step(iters: int, warmup: int = 3) -> dict[str, Any]:
@@ -290,7 +302,7 @@ def compiled_training_step(iters: int, warmup: int = 3) -> dict[str, Any]:
     model = Decoder()
     tokens = torch.randint(0, 512, (8, 64))
     compiler = backend("inductor")
-    engine = {"compile": "eager", "torch": "torch", "ours": "ours"}
+    engine = {"compile": "eager", "torch": "torch", "ours": "ours", "ours-bg": "ours-bg"}
     compiled_forward: dict[str, Any] = {}
 
     def step(impl: str) -> tuple[float, float]:
@@ -311,6 +323,7 @@ def compiled_training_step(iters: int, warmup: int = 3) -> dict[str, Any]:
         "first_s": {},
         "first_forward_s": {},
         "first_backward_s": {},
+        "cold_steps_s": {},
         "captures": {},
         "dynamo_graphs": {},
     }
@@ -319,16 +332,24 @@ def compiled_training_step(iters: int, warmup: int = 3) -> dict[str, Any]:
     # as in measure(): whatever the second reuses favours torch's.
     reset_all()
     torch.compile(Decoder(layers=1), backend="inductor")(tokens).backward()
-    for impl in ("compile", "ours", "torch"):
+    for impl in ("compile", "ours", "ours-bg", "torch"):
         reset_all()
         compiled_forward[impl] = torch.compile(model, backend="inductor")
         forward_s, backward_s = step(impl)
         row["first_s"][impl] = forward_s + backward_s
         row["first_forward_s"][impl] = forward_s
         row["first_backward_s"][impl] = backward_s
-        if impl == "ours":
-            row["captures"]["ours"] = ca_runtime.stats()["captures"]
-            row["fallbacks_ours"] = ca_runtime.stats()["eager_fallbacks"]
+        # The first COLD_STEPS steps in all, and for ours-bg how long its
+        # compile went on after them (waited for before the next one starts).
+        row["cold_steps_s"][impl] = row["first_s"][impl] + sum(sum(step(impl)) for _ in range(COLD_STEPS - 1))
+        if impl == "ours-bg":
+            start = time.perf_counter()
+            ca_runtime.wait_for_background_compiles()
+            row["bg_compile_left_s"] = time.perf_counter() - start
+            row["uncompiled_runs_bg"] = ca_runtime.stats()["uncompiled_runs"]
+        if impl in ("ours", "ours-bg"):
+            row["captures"][impl] = ca_runtime.stats()["captures"]
+            row[f"fallbacks_{impl}"] = ca_runtime.stats()["eager_fallbacks"]
         if impl == "torch":
             row["captures"]["torch"] = int(counters["compiled_autograd"]["captures"])
         row["dynamo_graphs"][impl] = int(counters["stats"]["unique_graphs"])
@@ -336,6 +357,7 @@ def compiled_training_step(iters: int, warmup: int = 3) -> dict[str, Any]:
     for impl in STEP_IMPLS:
         for _ in range(warmup):
             step(impl)
+    ca_runtime.wait_for_background_compiles()  # ours-bg's steady state is its compiled one
     times: dict[str, list[tuple[float, float]]] = {impl: [] for impl in STEP_IMPLS}
     for _ in range(iters):
         for impl in STEP_IMPLS:
@@ -347,6 +369,8 @@ def compiled_training_step(iters: int, warmup: int = 3) -> dict[str, Any]:
     row["ours_over_compile"] = med["ours"] / med["compile"]
     row["ours_over_torch"] = med["ours"] / med["torch"]
     row["first_ours_over_torch"] = row["first_s"]["ours"] / row["first_s"]["torch"]
+    row["first_bg_over_torch"] = row["first_s"]["ours-bg"] / row["first_s"]["torch"]
+    row["bg_over_torch"] = med["ours-bg"] / med["torch"]
     return row
 
 
@@ -368,6 +392,19 @@ def training_markdown(r: dict[str, Any]) -> str:
                 f"{b['compile'] * 1e3:.1f} / {b['torch'] * 1e3:.1f} / {b['ours'] * 1e3:.1f} | "
                 + " / ".join(f"{f[i]:.1f} ({ff[i]:.1f} + {fb[i]:.1f})" for i in ("compile", "torch", "ours"))
                 + f" | {r['first_ours_over_torch']:.2f} | {r['captures']['torch']} / {r['captures']['ours']} |",
+                "",
+                "With Inductor compiling in the background (`enable(\"inductor\", compile_in_background=True)`):",
+                "",
+                (
+                    "| steady step ms | /torch | first step s (forward + backward) | /torch's first "
+                    f"| first {COLD_STEPS} steps compile / torch / ours / background s "
+                    "| compile left after them s | uncompiled runs |"
+                ),
+                "|---|---|---|---|---|---|---|",
+                f"| {m['ours-bg'] * 1e3:.2f} | {r['bg_over_torch']:.2f} | {f['ours-bg']:.1f} "
+                f"({ff['ours-bg']:.1f} + {fb['ours-bg']:.1f}) | {r['first_bg_over_torch']:.2f} | "
+                + " / ".join(f"{r['cold_steps_s'][i]:.1f}" for i in ("compile", "torch", "ours", "ours-bg"))
+                + f" | {r['bg_compile_left_s']:.1f} | {r['uncompiled_runs_bg']} |",
             ]
         )
         + "\n"
@@ -409,6 +446,8 @@ def measure(work: Workload, iters: int, warmup: int = 3) -> dict[str, Any]:
         "captures": {},
         "dynamo_graphs": {},
     }
+    if work.compiler_name == "inductor":
+        row["first_s"]["ours-bg"] = first_backward_cold(work, "ours-bg")["first_s"]
     for impl in ("eager", "ours", "torch"):
         cold = first_backward_cold(work, impl)
         row["first_s"][impl] = cold["first_s"]
@@ -567,16 +606,18 @@ def markdown(rows: list[dict[str, Any]], sweep: dict[str, Any], per_node: dict[s
     lines = [
         (
             "| workload | backend | nodes | eager ms | torch ms | ours ms | ours/eager | ours/torch "
-            "| first backward torch / ours s | captures torch / ours | Dynamo graphs torch / ours |"
+            "| first backward torch / ours / ours in background s | captures torch / ours "
+            "| Dynamo graphs torch / ours |"
         ),
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         m = r["median_s"]
+        bg = r["first_s"].get("ours-bg")
         lines.append(
             f"| {r['workload']} | {r['backend']} | {r['nodes']} | {m['eager'] * 1e3:.3f} | {m['torch'] * 1e3:.3f} | "
             f"{m['ours'] * 1e3:.3f} | {r['ours_over_eager']:.2f} | {r['ours_over_torch']:.2f} | "
-            f"{r['first_s']['torch']:.2f} / {r['first_s']['ours']:.2f} | "
+            f"{r['first_s']['torch']:.2f} / {r['first_s']['ours']:.2f} / {'-' if bg is None else f'{bg:.2f}'} | "
             f"{r['captures'].get('torch', '-')} / {r['captures'].get('ours', '-')} | "
             f"{r['dynamo_graphs'].get('torch', '-')} / {r['dynamo_graphs'].get('ours', '-')} |"
         )
@@ -665,7 +706,7 @@ def main() -> None:
         nargs=3,
         metavar=("WORKLOAD", "COMPILER", "IMPL"),
         help=f"time one first backward in this fresh process and print it as JSON; WORKLOAD one of "
-        f"{', '.join(WORKLOADS)}, COMPILER a backend name or no-work, IMPL one of {', '.join(IMPLS)}",
+        f"{', '.join(WORKLOADS)}, COMPILER a backend name or no-work, IMPL one of {', '.join(IMPLS)} or ours-bg",
     )
     parser.add_argument(
         "--only",

@@ -35,6 +35,8 @@ def clean_state():
     torch._dynamo.reset()
     assert ca_core.installed_runtime() is None
     yield
+    # A compile a test left running in the background must not run into the next test.
+    assert ca_runtime.wait_for_background_compiles(timeout=600)
     ca_core.uninstall_engine_hook()
     ca_runtime.reset()
 

@@ -35,6 +35,7 @@ def _check_ca_core() -> None:
 
 _check_ca_core()
 
+from ca_runtime._background import wait_for_background_compiles  # noqa: E402
 from ca_runtime._capture import build_graph_module  # noqa: E402
 from ca_runtime._enable import CacheEntry, cache_clear_failed, cache_info, disable, enable, reset, stats  # noqa: E402
 from ca_runtime._log import EagerFallbackWarning, GraphBreakWarning  # noqa: E402
@@ -56,6 +57,7 @@ __all__ = [
     "report",
     "reset",
     "stats",
+    "wait_for_background_compiles",
 ]
 
 __version__ = importlib.metadata.version("ca-runtime")  # from pyproject.toml, its one source

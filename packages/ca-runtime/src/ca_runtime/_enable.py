@@ -38,6 +38,7 @@ import ca_core
 import torch
 from ca_core.runtime_protocol import EngineRuntime
 
+from ca_runtime._background import BackgroundInductor, background_counts, reset_background_counts
 from ca_runtime._runtime import CompilerFn, Runtime, graph_break_count, reset_graph_breaks
 from ca_runtime._torch_interop import (
     keep_hook_across_torch_disable,
@@ -80,10 +81,10 @@ def _valid_backends() -> list[str]:
 _callables: dict[str, Any] = {}
 
 
-def _compiler_key(compiler_fn: object) -> str:
-    """The cache a compiler_fn uses: one per backend name, one per callable object."""
+def _compiler_key(compiler_fn: object, compile_in_background: bool = False) -> str:
+    """The cache a compiler_fn uses: one per backend name (and mode), one per callable object."""
     if isinstance(compiler_fn, str):
-        return f"backend:{compiler_fn}"
+        return f"backend:{compiler_fn}" + ("+background" if compile_in_background else "")
     key = f"callable:{id(compiler_fn)}"
     if key not in _callables:
         try:
@@ -104,7 +105,23 @@ def _drop_cache(key: str) -> None:
         ca_core.drop_cache_root(key)
 
 
-def _resolve_compiler(compiler_fn: object) -> CompilerFn:
+def _resolve_compiler(compiler_fn: object, compile_in_background: object = False) -> CompilerFn:
+    if not isinstance(compile_in_background, bool):
+        raise TypeError(f"compile_in_background must be a bool, got {type(compile_in_background).__name__}")
+    if compile_in_background and compiler_fn != "inductor":
+        raise ValueError(
+            "compile_in_background=True needs compiler_fn='inductor' (the backend whose compile it moves to a "
+            f"thread), got {compiler_fn!r}"
+        )
+    if compile_in_background:
+        background = BackgroundInductor()
+
+        def compile_in_thread(gm: torch.fx.GraphModule) -> Callable[..., Any]:
+            # See [Note: Compiling in the background]; one backend object for
+            # every graph, as torch.compile's string backend would be.
+            return torch.compile(gm, backend=background, dynamic=None)
+
+        return compile_in_thread
     if isinstance(compiler_fn, str):
         valid = _valid_backends()
         if compiler_fn not in valid:
@@ -179,16 +196,17 @@ class _EnableContext(_HookContext):
     plain statement would otherwise do nothing at all, silently.
     """
 
-    def __init__(self, compiler_fn: CompilerFn | str) -> None:
+    def __init__(self, compiler_fn: CompilerFn | str, compile_in_background: bool = False) -> None:
         self._compiler_fn = compiler_fn
-        self._compiler = _resolve_compiler(compiler_fn)
+        self._compiler = _resolve_compiler(compiler_fn, compile_in_background)
+        self._compile_in_background = compile_in_background
         self._entered = False  # set last: a rejected compiler_fn does not warn
 
     def _install(self) -> Runtime:
         self._entered = True
         keep_hook_across_torch_disable()
         runtime = Runtime(self._compiler)
-        runtime.compiler_key = _compiler_key(self._compiler_fn)
+        runtime.compiler_key = _compiler_key(self._compiler_fn, self._compile_in_background)
         ca_core.install_engine_hook(runtime, runtime.compiler_key)
         return runtime
 
@@ -213,12 +231,16 @@ class _DisableContext(_HookContext):
         ca_core.uninstall_engine_hook()
 
 
-def enable(compiler_fn: CompilerFn | str) -> _EnableContext:
+def enable(compiler_fn: CompilerFn | str, *, compile_in_background: bool = False) -> _EnableContext:
     """Compiles every ``backward()``/``autograd.grad`` inside the context.
 
     ``compiler_fn`` takes the captured ``torch.fx.GraphModule`` and returns a
     callable (e.g. ``lambda gm: torch.compile(gm, backend="inductor")``), or is
-    a backend name accepted by ``torch.compile``. Use it as ``with
+    a backend name accepted by ``torch.compile``. With
+    ``compile_in_background=True`` (backend ``"inductor"`` only), Inductor
+    compiles each new graph's kernels on a thread while that graph runs op by
+    op; see [Note: Compiling in the background] and
+    ``wait_for_background_compiles()``. Use it as ``with
     enable(...) as runtime:``; on exit, by return or by exception, the engine
     hook that was active before is restored (see [Note: Restoring the engine
     hook]). A call that is never entered warns.
@@ -227,7 +249,7 @@ def enable(compiler_fn: CompilerFn | str) -> _EnableContext:
     on any thread is compiled. Contexts opened on several threads may exit in
     any order; see [Note: Contexts entered on several threads].
     """
-    return _EnableContext(compiler_fn)
+    return _EnableContext(compiler_fn, compile_in_background)
 
 
 def disable() -> _DisableContext:
@@ -240,6 +262,7 @@ def reset() -> None:
     ca_core.clear_cache()
     ca_core.reset_counters()
     reset_graph_breaks()
+    reset_background_counts()
 
 
 def cache_clear_failed() -> None:
@@ -267,7 +290,10 @@ def stats() -> dict[str, int]:
 
     ``captures`` (graphs captured and compiled), ``cache_hits`` (backwards
     served from the cache), ``graph_breaks`` (calls that run eagerly behind a
-    graph break, summed over the captured graphs) and ``eager_fallbacks`` (backwards run wholly eagerly).
+    graph break, summed over the captured graphs), ``eager_fallbacks``
+    (backwards run wholly eagerly), and for ``compile_in_background``,
+    ``background_compiles`` (Inductor compiles started on a thread) and
+    ``uncompiled_runs`` (graph calls run op by op while theirs went on).
     """
     counters = ca_core.counters()
     return {
@@ -275,6 +301,7 @@ def stats() -> dict[str, int]:
         "cache_hits": counters["cache_hits"],
         "graph_breaks": graph_break_count(),
         "eager_fallbacks": counters["eager_fallbacks"],
+        **background_counts(),
     }
 
 

@@ -1,0 +1,211 @@
+"""``enable("inductor", compile_in_background=True)`` against eager; see [Note: Compiling in the background]."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import ca_runtime
+import pytest
+import torch
+import torch.fx
+from ca_runtime import _background
+from ca_testkit import compare
+
+
+def _mlp() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+
+def _step_with_hooks(model: torch.nn.Module, x: torch.Tensor, wait_at: int):
+    """A step whose backward calls a tensor hook and a Python Function; waits for compiles at ``wait_at``."""
+
+    class Cube(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            ctx.save_for_backward(t)
+            return t**3
+
+        @staticmethod
+        def backward(ctx, g):
+            (t,) = ctx.saved_tensors
+            return 3 * t * t * g
+
+    def hook(g: torch.Tensor) -> torch.Tensor:
+        # No Python side effect: Dynamo guards on a growing list's length and
+        # would recompile every step. The doubled grads show that it ran.
+        return g * 2
+
+    def step(i: int):
+        if i == wait_at:
+            assert ca_runtime.wait_for_background_compiles(timeout=600)
+        model.zero_grad(set_to_none=True)
+        h = Cube.apply(model(x))
+        h.register_hook(hook)
+        loss = h.sin().sum()
+        loss.backward()
+        return loss.detach()
+
+    return step
+
+
+@pytest.mark.inductor
+def test_background_compile_gives_eager_results_before_and_after_the_kernels_are_ready() -> None:
+    model, x = _mlp(), torch.randn(5, 8)
+    result = compare(
+        _step_with_hooks(model, x, wait_at=2),
+        "inductor",
+        tensors=model,
+        steps=4,
+        impl="ca-background",
+        atol=1e-5,
+    )
+    result.assert_ok()
+    stats = result.stats
+    assert stats["captures"] == 1 and stats["cache_hits"] == 3, stats
+    assert stats["eager_fallbacks"] == 0 and stats["graph_breaks"] == 0, stats
+    assert stats["background_compiles"] == 1, stats
+    # The capturing backward (and the next, if the compile was still going)
+    # ran uncompiled; the two after the wait ran Inductor's kernels.
+    assert 1 <= stats["uncompiled_runs"] <= 2, stats
+
+
+@pytest.mark.inductor
+def test_background_compile_swaps_in_the_kernels() -> None:
+    model, x = _mlp(), torch.randn(5, 8)
+    interval = sys.getswitchinterval()
+    with ca_runtime.enable("inductor", compile_in_background=True):
+        model(x).sum().backward()
+        assert ca_runtime.stats()["uncompiled_runs"] == 1
+        assert ca_runtime.wait_for_background_compiles(timeout=600)
+        assert sys.getswitchinterval() == interval  # see [Note: The GIL while compiling in the background]
+        for _ in range(3):
+            model.zero_grad(set_to_none=True)  # the same backward as the first: a cache hit
+            model(x).sum().backward()
+    stats = ca_runtime.stats()
+    assert stats["uncompiled_runs"] == 1 and stats["cache_hits"] == 3 and stats["background_compiles"] == 1, (
+        stats
+    )
+
+
+@pytest.mark.inductor
+def test_compiles_started_back_to_back_run_one_at_a_time() -> None:
+    """Steps 0-3 each register a different hook, so Dynamo recompiles and Inductor compiles again.
+
+    Two Inductor compiles at once fail inside Inductor (the failed graph would
+    then run uncompiled for good); see [Note: One Inductor compile at a time].
+    """
+    model, x = _mlp(), torch.randn(5, 8)
+    uncompiled_after_wait: list[int] = []
+    hooks = [lambda g: g * 2.0, lambda g: g + 1.0, lambda g: g.cos(), lambda g: g * g]
+
+    def step(i: int) -> torch.Tensor:
+        if i == 4:
+            assert ca_runtime.wait_for_background_compiles(timeout=600)
+            uncompiled_after_wait.append(ca_runtime.stats()["uncompiled_runs"])
+        model.zero_grad(set_to_none=True)
+        h = model(x)
+        h.register_hook(hooks[i % 4])
+        loss = h.sin().sum()
+        loss.backward()
+        return loss.detach()
+
+    result = compare(step, "inductor", tensors=model, steps=6, impl="ca-background", atol=1e-5)
+    result.assert_ok()
+    stats = result.stats
+    assert stats["captures"] == 1 and stats["eager_fallbacks"] == 0, stats
+    assert stats["background_compiles"] == 4, stats
+    # Every graph compiled: after the wait, no step ran uncompiled.
+    assert uncompiled_after_wait[-1] == stats["uncompiled_runs"], (uncompiled_after_wait, stats)
+
+
+def test_a_failed_background_compile_warns_and_keeps_eager_results(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch._inductor.compile_fx
+
+    def failing_compile(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("no C++ compiler today")
+
+    monkeypatch.setattr(torch._inductor.compile_fx, "compile_fx_inner", failing_compile)
+    model, x = _mlp(), torch.randn(5, 8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = compare(
+            _step_with_hooks(model, x, wait_at=1), "inductor", tensors=model, steps=3, impl="ca-background"
+        )
+    result.assert_ok()
+    messages = [str(w.message) for w in caught if issubclass(w.category, ca_runtime.EagerFallbackWarning)]
+    assert len(messages) == 1 and "no C++ compiler today" in messages[0], messages
+    assert "keeps running op by op" in messages[0]
+    stats = result.stats
+    assert stats["captures"] == 1 and stats["uncompiled_runs"] == 3 and stats["eager_fallbacks"] == 0, stats
+
+
+def test_compile_in_background_rejects_bad_arguments() -> None:
+    with pytest.raises(TypeError, match="compile_in_background must be a bool"):
+        ca_runtime.enable("inductor", compile_in_background="yes")  # type: ignore[arg-type]
+    with pytest.raises(
+        ValueError, match=r"compile_in_background=True needs compiler_fn='inductor'.*aot_eager"
+    ):
+        ca_runtime.enable("aot_eager", compile_in_background=True)
+    with pytest.raises(ValueError, match="timeout"):
+        ca_runtime.wait_for_background_compiles(timeout=-1)
+    assert ca_runtime.wait_for_background_compiles(timeout=0)  # nothing running
+
+
+def _graph_calling(target: object) -> torch.fx.GraphModule:
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    graph.output([graph.call_function(target, (x,))])
+    return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+
+@pytest.mark.parametrize(
+    ("target", "kwargs", "reason"),
+    [
+        (torch.ops.aten.sin.default, {"is_inference": True}, None),
+        (torch.ops.aten.sin.default, {"is_inference": False}, "needs autograd"),
+        (torch.ops.aten.sin.default, {"is_inference": True, "cpp_wrapper": True}, "cpp_wrapper"),
+        (torch.ops._c10d_functional.wait_tensor.default, {"is_inference": True}, "collective"),
+    ],
+)
+def test_which_graphs_compile_on_the_calling_thread(target: object, kwargs: dict, reason: str | None) -> None:
+    found = _background._reason_to_compile_here(_graph_calling(target), [torch.randn(3)], kwargs)
+    assert found is None if reason is None else reason in found
+
+
+def test_a_graph_with_symbolic_sizes_compiles_on_the_calling_thread() -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    with FakeTensorMode(shape_env=ShapeEnv()) as mode:
+        fake = mode.from_tensor(torch.randn(4, 3), symbolic_context=None)
+    symbolic = torch.fx.experimental.symbolic_shapes.ShapeEnv().create_unbacked_symint()
+    graph = _graph_calling(torch.ops.aten.sin.default)
+    assert _background._reason_to_compile_here(graph, [fake], {"is_inference": True}) is None
+    assert "symbolic" in _background._reason_to_compile_here(graph, [fake, symbolic], {"is_inference": True})
+
+
+@pytest.mark.inductor
+def test_the_process_exits_cleanly_while_a_compile_runs(tmp_path) -> None:
+    script = tmp_path / "exit_while_compiling.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import ca_runtime, torch
+            model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+            with ca_runtime.enable("inductor", compile_in_background=True):
+                model(torch.randn(4, 8)).sum().backward()
+            assert ca_runtime.stats()["background_compiles"] == 1
+            print("exiting", flush=True)
+            """
+        )
+    )
+    done = subprocess.run(
+        [sys.executable, str(script)], check=False, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "exiting" in done.stdout
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
