@@ -393,7 +393,7 @@ def training_markdown(r: dict[str, Any]) -> str:
                 + " / ".join(f"{f[i]:.1f} ({ff[i]:.1f} + {fb[i]:.1f})" for i in ("compile", "torch", "ours"))
                 + f" | {r['first_ours_over_torch']:.2f} | {r['captures']['torch']} / {r['captures']['ours']} |",
                 "",
-                "With Inductor compiling in the background (`enable(\"inductor\", compile_in_background=True)`):",
+                'With Inductor compiling in the background (`enable("inductor", compile_in_background=True)`):',
                 "",
                 (
                     "| steady step ms | /torch | first step s (forward + backward) | /torch's first "

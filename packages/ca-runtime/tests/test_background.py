@@ -122,6 +122,52 @@ def test_compiles_started_back_to_back_run_one_at_a_time() -> None:
     assert uncompiled_after_wait[-1] == stats["uncompiled_runs"], (uncompiled_after_wait, stats)
 
 
+class _Block(torch.nn.Module):
+    """Attention, layer norm and an MLP: the ops a transformer's backward graph is made of."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer = torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+        self.head = torch.nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.layer(x))
+
+
+def _checkpointed(block: _Block, x: torch.Tensor) -> torch.Tensor:
+    import torch.utils.checkpoint
+
+    return block.head(torch.utils.checkpoint.checkpoint(block.layer, x, use_reentrant=False))
+
+
+@pytest.mark.inductor
+@pytest.mark.parametrize("setup", ["transformer", "compiled-forward", "checkpoint"])
+def test_background_compile_of_training_setups_gives_eager_results(setup: str) -> None:
+    """The uncompiled runs execute AOTAutograd's ATen graph (SDPA, layer norm, an
+    AOT backward copied in, the checkpoint recompute op) before and after the swap."""
+    block, x = _Block(), torch.randn(2, 5, 16)
+    forward = {
+        "transformer": block,
+        "compiled-forward": torch.compile(block, backend="aot_eager"),
+        "checkpoint": lambda t: _checkpointed(block, t),
+    }[setup]
+
+    def step(i: int) -> torch.Tensor:
+        if i == 2:
+            assert ca_runtime.wait_for_background_compiles(timeout=600)
+        block.zero_grad(set_to_none=True)
+        loss = forward(x).square().mean()
+        loss.backward()
+        return loss.detach()
+
+    result = compare(step, "inductor", tensors=block, steps=4, impl="ca-background", atol=1e-5, rtol=1e-4)
+    result.assert_ok()
+    stats = result.stats
+    assert stats["captures"] == 1 and stats["eager_fallbacks"] == 0 and stats["graph_breaks"] == 0, stats
+    assert stats["background_compiles"] == 1 and 1 <= stats["uncompiled_runs"] <= 2, stats
+
+
 def test_a_failed_background_compile_warns_and_keeps_eager_results(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch._inductor.compile_fx
 

@@ -20,9 +20,9 @@ Inductor's own ``compile_fx`` with one change, its ``inner_compile``:
   that calls Inductor's real ``compile_fx_inner`` on the graph, with the
   tracing and compile contexts of the capture re-entered there (AOTAutograd's
   lazy backward compile runs it the same way, after ``compile_fx`` returned);
-- when they are, the thread puts Inductor's compiled graph into that
-  callable's closure cell, so the next call runs it; the cost left on a hit is
-  one Python call.
+- when the kernels are ready, the thread puts Inductor's compiled graph
+  into that callable's closure cell, so the next call runs it; the cost left
+  on a hit is one Python call.
 
 The uncompiled runs execute the very graph Inductor compiles (the copy is
 taken before Inductor's post-grad passes rewrite it), with the same Dynamo

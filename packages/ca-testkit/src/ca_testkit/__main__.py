@@ -169,7 +169,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = sub.add_parser("fuzz", help="random autograd graphs, compared with eager")
     p.add_argument("--examples", type=int, default=500, help="graphs to try (default 500)")
     p.add_argument("--backend", default="none", help="none (graph as captured), or a torch.compile backend")
-    p.add_argument("--impl", default="ca", choices=["ca", "torch"])
+    p.add_argument(
+        "--impl",
+        default="ca",
+        choices=["ca", "torch", "ca-background"],
+        help="ca-background: ours with Inductor compiling in the background (needs --backend inductor)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--jobs", type=int, default=1, help="worker processes, seeds seed..seed+jobs-1 (default 1)"

@@ -384,8 +384,19 @@ def check_program(program: Program, compiler_fn: Any, impl: str = "ca") -> Any:
     from ca_testkit.compare import TensorDiff, compare
 
     backward = any(_runs_a_backward(program, i) for i in range(len(program.variants)))
+    steps = len(program.variants)
+
+    def step(i: int) -> Any:
+        if impl == "ca-background" and i == steps // 2:
+            # The first half runs before Inductor's kernels are ready (op by
+            # op), the second half with them.
+            import ca_runtime
+
+            ca_runtime.wait_for_background_compiles()
+        return run_program(program, i)
+
     result = compare(
-        lambda i: run_program(program, i),
+        step,
         compiler_fn,
         steps=len(program.variants),
         impl=impl,
