@@ -168,6 +168,62 @@ def test_background_compile_of_training_setups_gives_eager_results(setup: str) -
     assert stats["background_compiles"] == 1 and 1 <= stats["uncompiled_runs"] <= 2, stats
 
 
+@pytest.mark.inductor
+def test_settings_changed_before_the_thread_compiles_defer_the_compile_to_the_next_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """See [Note: State at capture time]: the thread sees other settings than the capture, so it compiles nothing."""
+    import threading
+
+    import torch._inductor.compile_fx
+
+    real_copy = _background._inductor_settings
+    real_compile = torch._inductor.compile_fx.compile_fx_inner
+    compiled_on: list[str] = []
+
+    def config_copy() -> dict:
+        changed = threading.current_thread() is not threading.main_thread()
+        return {**real_copy(), "changed since the capture": True} if changed else real_copy()
+
+    def recording_compile(*args: object, **kwargs: object) -> object:
+        compiled_on.append(threading.current_thread().name)
+        return real_compile(*args, **kwargs)
+
+    monkeypatch.setattr(_background, "_inductor_settings", config_copy)
+    monkeypatch.setattr(torch._inductor.compile_fx, "compile_fx_inner", recording_compile)
+    model, x = _mlp(), torch.randn(5, 8)
+    result = compare(
+        _step_with_hooks(model, x, wait_at=1),
+        "inductor",
+        tensors=model,
+        steps=3,
+        impl="ca-background",
+        atol=1e-5,
+    )
+    result.assert_ok()
+    # Nothing compiled on the thread; step 1's call compiled on the main thread and ran the kernels.
+    assert compiled_on == ["MainThread"], compiled_on
+    assert result.stats["uncompiled_runs"] == 1 and result.stats["eager_fallbacks"] == 0, result.stats
+
+
+def test_the_uncompiled_copy_shares_no_submodule_with_the_graph_inductor_rewrites() -> None:
+    """Inductor's post-grad passes rewrite higher-order ops' subgraphs in place too."""
+    inner = torch.fx.GraphModule(torch.nn.Module(), _graph_calling(torch.ops.aten.cos.default).graph)
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    graph.output([graph.call_module("body", (x,))])
+    root = torch.nn.Module()
+    root.body = inner
+    gm = torch.fx.GraphModule(root, graph)
+    run = _background._uncompiled_copy(gm)
+    forward = next(c.cell_contents for c in run.__closure__ if hasattr(c.cell_contents, "__self__"))
+    copied = forward.__self__
+    assert copied is not gm and copied.body is not gm.body and copied.body.graph is not gm.body.graph
+    args = [torch.ones(3)]
+    (out,) = run(args)
+    assert args == [] and torch.equal(out[0], torch.ones(3).cos())  # boxed: the list was taken over
+
+
 def test_a_failed_background_compile_warns_and_keeps_eager_results(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch._inductor.compile_fx
 
@@ -255,3 +311,6 @@ def test_the_process_exits_cleanly_while_a_compile_runs(tmp_path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     assert "exiting" in done.stdout
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert "failed to compile" not in done.stderr, done.stderr[
+        -3000:
+    ]  # see [Note: Compiling in the background]

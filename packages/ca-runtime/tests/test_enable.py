@@ -199,6 +199,19 @@ def test_leaving_enable_restores_eager_and_reset_empties_cache(backend: str) -> 
     assert ca_runtime.stats()["captures"] == 0
 
 
+def test_torch_dynamo_reset_inside_enable_keeps_our_hook(backend: str) -> None:
+    """torch._dynamo.reset() empties the engine's compiled-autograd slot; see [Note: torch clears the engine slot]."""
+    model = make_mlp()
+    step = mlp_step(model)
+    with ca_runtime.enable(backend):
+        step(0)
+        torch._dynamo.reset()
+        step(1)
+        step(2)
+    stats = ca_runtime.stats()
+    assert stats["captures"] + stats["cache_hits"] == 3 and stats["eager_fallbacks"] == 0, stats
+
+
 class Cube(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a: torch.Tensor) -> torch.Tensor:

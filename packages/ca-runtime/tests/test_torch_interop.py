@@ -19,6 +19,7 @@ def test_1_disable_is_a_context_manager_we_can_wrap() -> None:
     assert getattr(module._disable, "_ca_rearms", False)
     with module._disable():
         pass
+    assert getattr(module.reset, "_ca_rearms", False)
 
 
 def test_2_torch_compiled_autograd_state_is_readable_and_rearmable() -> None:

@@ -24,8 +24,9 @@ Inductor's own ``compile_fx`` with one change, its ``inner_compile``:
   into that callable's closure cell, so the next call runs it; the cost left
   on a hit is one Python call.
 
-The uncompiled runs execute the very graph Inductor compiles (the copy is
-taken before Inductor's post-grad passes rewrite it), with the same Dynamo
+The uncompiled runs execute the very graph Inductor compiles (a deep copy
+of the module, subgraphs included, taken before Inductor's post-grad passes
+rewrite the original in place), with the same Dynamo
 guards, hooks and side effects around it, so a backward gives the same result
 whichever way it ran, and ``captures``/``cache_hits`` count as usual;
 ``stats()`` adds ``background_compiles`` and ``uncompiled_runs``.
@@ -50,8 +51,20 @@ thread needs meanwhile (a new capture, the user's forward recompiling) waits
 for the one under way to finish, as a compile on another thread would make
 it wait without this mode.
 
+[Note: State at capture time]
+Inductor reads process-global state while it lowers: its own config, and
+torch's deterministic-algorithms and TF32 flags, which Dynamo's global-state
+guard fixed for this graph at capture. The thread compiles later, so it
+first checks that both are as they were at the capture (a
+``GlobalStateGuard`` and a copy of Inductor's config, taken then). If the
+user changed either meanwhile, it compiles nothing, and the graph's next
+call, which Dynamo's guards have just matched to the capture's state,
+compiles it on the calling thread instead.
+
 The thread is not a daemon: at exit Python waits for a compile under way
-before it runs ``atexit`` handlers (Inductor's compile workers stop in one).
+before it runs ``atexit`` handlers (Inductor's compile workers stop in one);
+a compile that fails because shutdown has begun (its worker pools refuse new
+work) stays quiet.
 ``wait_for_background_compiles()`` waits for every compile started. A failed
 compile warns once (``EagerFallbackWarning``) and leaves that graph running
 uncompiled; nothing else changes.
@@ -131,15 +144,24 @@ def wait_for_background_compiles(timeout: float | None = None) -> bool:
         if left is not None and left <= 0:
             return False
         pending.join(left)
+        if not pending.is_alive():
+            _finished(pending)  # normally done by the thread itself; idempotent
 
 
-def _begin(thread: threading.Thread) -> None:
+def _begin(thread: threading.Thread) -> bool:
+    """Starts ``thread``; False if it could not be started (the graph then stays uncompiled)."""
     with _live_lock:
         if not _live:
             _SWITCH.lower()
         _live.add(thread)
-        _COUNTS.background_compiles += 1
-    thread.start()
+    try:
+        thread.start()
+    except RuntimeError as e:  # no more threads, or the interpreter is shutting down
+        log.info("ca_runtime: could not start a background compile (%s); the graph stays uncompiled", e)
+        _finished(thread)
+        return False
+    _COUNTS.background_compiles += 1
+    return True
 
 
 def _finished(thread: threading.Thread) -> None:
@@ -181,6 +203,23 @@ class _SwitchInterval:
 _SWITCH = _SwitchInterval()
 
 
+class _Shutdown:
+    """Set when the interpreter starts shutting down (see [Note: Compiling in the background])."""
+
+    started = False
+
+    @classmethod
+    def mark(cls) -> None:
+        cls.started = True
+
+
+# concurrent.futures stops taking work in the same threading-shutdown hooks,
+# before Python joins the compile thread: a compile under way then fails, and
+# that failure is no news to anyone.
+if hasattr(threading, "_register_atexit"):
+    threading._register_atexit(_Shutdown.mark)
+
+
 def _is_symbolic(value: object) -> bool:
     if isinstance(value, torch.SymInt | torch.SymFloat | torch.SymBool):
         return True
@@ -202,19 +241,38 @@ def _reason_to_compile_here(
         return "it uses CUDA graphs"
     if kwargs.get("cpp_wrapper") or kwargs.get("fx_wrapper"):
         return "it uses Inductor's cpp_wrapper/fx_wrapper"
+    if kwargs.get("layout_opt") is not None:
+        # Freezing: compile_fx patches the fake mode around inner_compile only.
+        return "Inductor's freezing is on"
     if any(_is_symbolic(x) for x in example_inputs):
         return "it has symbolic sizes"
+    if getattr(torch._inductor.config, "distributed_max_autotune_gemm", False):
+        return "distributed autotuning talks to other ranks while compiling"
+    from torch._functorch._aot_autograd.autograd_cache import should_bundle_autograd_cache
+
+    if should_bundle_autograd_cache():
+        return "AOTAutograd's bundled cache needs Inductor's output at once"
     for node in gm.graph.nodes:
         if node.op == "call_function" and getattr(node.target, "namespace", None) in _COLLECTIVE_NAMESPACES:
             return f"it calls the collective {node.target}"
     return None
 
 
+def _inductor_settings() -> dict[str, Any]:
+    """Inductor's whole config, to compare between the capture and the compile thread."""
+    settings: dict[str, Any] = torch._inductor.config.get_config_copy()
+    return settings
+
+
 def _uncompiled_copy(gm: torch.fx.GraphModule) -> Callable[[list[Any]], Any]:
-    """A boxed callable running ``gm``'s graph op by op, on a copy Inductor's passes do not touch."""
-    graph = copy.deepcopy(gm.graph)
-    graph.set_codegen(torch.fx.graph._BoxedCodeGen())
-    copied = torch.fx.GraphModule(gm, graph)
+    """A boxed callable running ``gm``'s graph op by op, on a copy Inductor's passes do not touch.
+
+    The whole module is copied, subgraphs of higher-order ops included:
+    Inductor's post-grad passes rewrite those in place too.
+    """
+    copied = copy.deepcopy(gm)
+    copied.graph.set_codegen(torch.fx.graph._BoxedCodeGen())
+    copied.recompile()
     forward: Callable[[list[Any]], Any] = copied.forward
 
     def run_uncompiled(args: list[Any]) -> Any:
@@ -228,26 +286,42 @@ def _start(
     gm: torch.fx.GraphModule, example_inputs: Sequence[Any], kwargs: dict[str, Any]
 ) -> Callable[..., Any]:
     """The boxed callable for ``gm``: op by op, until a thread started after its first call has compiled it."""
+    from torch._dynamo.convert_frame import compile_lock
     from torch._inductor.compile_fx import compile_fx_inner
 
     run_uncompiled = _uncompiled_copy(gm)
     tracing = torch._guards.TracingContext.try_get()
     compiling = torch._guards.CompileContext.try_get()
+    # See [Note: State at capture time].
+    global_state = torch._C._dynamo.guards.GlobalStateGuard()
+    inductor_config = _inductor_settings()
+    first_run_lock = threading.Lock()
+    started = False
+
+    def compile_now() -> Any:
+        with (
+            compile_lock,  # see [Note: One Inductor compile at a time]
+            torch._guards.compile_context(compiling),
+            torch._guards.tracing(tracing),
+        ):
+            return compile_fx_inner(gm, example_inputs, **kwargs)
 
     def compile_graph() -> None:
-        from torch._dynamo.convert_frame import compile_lock
-
-        started = time.perf_counter()
+        begun = time.perf_counter()
         try:
-            with (
-                compile_lock,  # see [Note: One Inductor compile at a time]
-                torch._guards.compile_context(compiling),
-                torch._guards.tracing(tracing),
-                torch.no_grad(),
-                torch._C._DisableAutocast(),
-            ):
-                compiled = compile_fx_inner(gm, example_inputs, **kwargs)
+            with torch.no_grad(), torch._C._DisableAutocast():
+                if not global_state.check() or _inductor_settings() != inductor_config:
+                    # See [Note: State at capture time].
+                    cell.cell_contents = compile_on_next_call
+                    log.info(
+                        "ca_runtime: torch or Inductor settings changed since the capture; compiling later"
+                    )
+                    return
+                compiled = compile_now()
         except BaseException as e:  # noqa: BLE001 - reported; the graph keeps running uncompiled
+            if _Shutdown.started:
+                log.debug("ca_runtime: background compile stopped by interpreter shutdown: %s", e)
+                return
             first = (str(e).strip().splitlines() or [""])[0]
             message = (
                 f"ca_runtime: Inductor failed to compile a backward graph in the background "
@@ -258,20 +332,41 @@ def _start(
         else:
             cell.cell_contents = compiled
             log.info(
-                "ca_runtime: backward graph compiled in the background in %.1f s",
-                time.perf_counter() - started,
+                "ca_runtime: backward graph compiled in the background in %.1f s", time.perf_counter() - begun
             )
         finally:
             _finished(threading.current_thread())
 
+    def compile_on_next_call(args: list[Any]) -> Any:
+        # The state Dynamo's guards just checked for this call is the capture's.
+        cell.cell_contents = run_uncompiled
+        try:
+            compiled = compile_now()
+        except Exception as e:  # noqa: BLE001 - as a failed background compile
+            message = (
+                f"ca_runtime: Inductor failed to compile a backward graph ({type(e).__name__}: "
+                f"{(str(e).strip().splitlines() or [''])[0]}); that graph keeps running op by op, uncompiled"
+            )
+            log.info(message, exc_info=True)
+            warnings.warn(message, EagerFallbackWarning, stacklevel=2)
+            return run_uncompiled(args)
+        cell.cell_contents = compiled
+        return compiled(args)
+
     def first_run(args: list[Any]) -> Any:
         # The first run (the capturing backward) goes before the thread starts:
         # it would otherwise wait for the GIL behind the compile at every op.
-        cell.cell_contents = run_uncompiled
+        # Two threads' backwards may both get here: one starts the compile.
+        nonlocal started
+        with first_run_lock:
+            start, started = not started, True
+            if start:
+                cell.cell_contents = run_uncompiled
         try:
             return run_uncompiled(args)
         finally:
-            _begin(threading.Thread(target=compile_graph, name="ca-inductor-compile", daemon=False))
+            if start:
+                _begin(threading.Thread(target=compile_graph, name="ca-inductor-compile", daemon=False))
 
     target = first_run
 

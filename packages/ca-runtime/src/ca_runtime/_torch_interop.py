@@ -44,7 +44,10 @@ nothing, when torch's compiled autograd is off. Any ``torch.compile`` run inside
 therefore silently switch our hook off for the rest of the context. We wrap
 ``_disable`` once per process: the slot stays empty inside it (AOTAutograd's
 tracing must not reach us), and on exit our hook is re-armed if a ca_runtime
-context is still active.
+context is still active. ``torch._dynamo.reset()`` empties the slot too
+(through ``compiled_autograd.reset()``), and a user may call it inside
+``enable()``, between models or after changing a config: ``reset`` is
+wrapped the same way.
 """
 
 from __future__ import annotations
@@ -77,23 +80,34 @@ __all__ = [
 
 
 def keep_hook_across_torch_disable() -> None:
-    """1. Installs the ``_disable`` wrapper of [Note: torch clears the engine slot] (idempotent)."""
+    """1. Installs the ``_disable`` and ``reset`` wrappers of [Note: torch clears the engine slot] (idempotent)."""
     module = torch._dynamo.compiled_autograd
     original: Callable[..., Any] = module._disable
-    if getattr(original, "_ca_rearms", False):
-        return
+    if not getattr(original, "_ca_rearms", False):
 
-    @functools.wraps(original)
-    @contextlib.contextmanager
-    def _disable(*args: Any, **kwargs: Any) -> Iterator[None]:
-        try:
-            with original(*args, **kwargs):
-                yield
-        finally:
-            ca_core.rearm_engine_hook()
+        @functools.wraps(original)
+        @contextlib.contextmanager
+        def _disable(*args: Any, **kwargs: Any) -> Iterator[None]:
+            try:
+                with original(*args, **kwargs):
+                    yield
+            finally:
+                ca_core.rearm_engine_hook()
 
-    _disable._ca_rearms = True  # type: ignore[attr-defined]
-    module._disable = _disable
+        _disable._ca_rearms = True  # type: ignore[attr-defined]
+        module._disable = _disable
+    original_reset: Callable[..., Any] = module.reset
+    if not getattr(original_reset, "_ca_rearms", False):
+
+        @functools.wraps(original_reset)
+        def reset(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return original_reset(*args, **kwargs)
+            finally:
+                ca_core.rearm_engine_hook()
+
+        reset._ca_rearms = True  # type: ignore[attr-defined]
+        module.reset = reset
 
 
 def torch_compiled_autograd_enabled() -> bool:
