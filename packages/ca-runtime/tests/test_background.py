@@ -52,17 +52,15 @@ def _step_with_hooks(model: torch.nn.Module, x: torch.Tensor, wait_at: int):
     return step
 
 
+def _compare_mlp_with_hooks(wait_at: int, steps: int):
+    model, x = _mlp(), torch.randn(5, 8)
+    step = _step_with_hooks(model, x, wait_at=wait_at)
+    return compare(step, "inductor", tensors=model, steps=steps, impl="ca-background", atol=1e-5)
+
+
 @pytest.mark.inductor
 def test_background_compile_gives_eager_results_before_and_after_the_kernels_are_ready() -> None:
-    model, x = _mlp(), torch.randn(5, 8)
-    result = compare(
-        _step_with_hooks(model, x, wait_at=2),
-        "inductor",
-        tensors=model,
-        steps=4,
-        impl="ca-background",
-        atol=1e-5,
-    )
+    result = _compare_mlp_with_hooks(wait_at=2, steps=4)
     result.assert_ok()
     stats = result.stats
     assert stats["captures"] == 1 and stats["cache_hits"] == 3, stats
@@ -191,15 +189,7 @@ def test_settings_changed_before_the_thread_compiles_defer_the_compile_to_the_ne
 
     monkeypatch.setattr(_background, "_inductor_settings", config_copy)
     monkeypatch.setattr(torch._inductor.compile_fx, "compile_fx_inner", recording_compile)
-    model, x = _mlp(), torch.randn(5, 8)
-    result = compare(
-        _step_with_hooks(model, x, wait_at=1),
-        "inductor",
-        tensors=model,
-        steps=3,
-        impl="ca-background",
-        atol=1e-5,
-    )
+    result = _compare_mlp_with_hooks(wait_at=1, steps=3)
     result.assert_ok()
     # Nothing compiled on the thread; step 1's call compiled on the main thread and ran the kernels.
     assert compiled_on == ["MainThread"], compiled_on
