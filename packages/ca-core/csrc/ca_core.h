@@ -202,6 +202,9 @@ struct ShadowNode {
   bool static_sizes = false;
   /// The compiled function has not completed a run yet.
   bool first_run = true;
+  /// While the graph's kernels compile on another thread, a callable that
+  /// says whether they are ready; null otherwise. See [Note: Eager while compiling].
+  nb::object compiling;
   /// Backwards served by compiled_fn.
   uint64_t hits = 0;
   /// Walk index of each AccumulateGrad node whose grad the graph returns

@@ -94,6 +94,7 @@ struct Counters {
   std::atomic<uint64_t> captures{0};
   std::atomic<uint64_t> cache_hits{0};
   std::atomic<uint64_t> eager_fallbacks{0};
+  std::atomic<uint64_t> eager_while_compiling{0};
 };
 Counters g_counters;
 
@@ -444,11 +445,34 @@ void free_saved_early(BackwardState& state, const std::vector<uint32_t>& free_ea
   state.lifted_tensors.clear();
 }
 
-/// Step 2: hit or miss. Returns the outputs when the entry failed before.
+/*
+[Note: Eager while compiling]
+A runtime may compile a graph's kernels on another thread after the graph's
+first run (ca_runtime's [Note: Compiling in the background]). It then
+answers take_compiling(), called right after that first run, with a
+callable that says whether the kernels are ready, and the entry keeps it.
+Until it says yes, a backward that reaches the entry runs on the eager
+engine, before anything is lifted or freed: eager is the oracle, and its
+nodes run without the GIL, so they do not wait behind the compile as the
+graph's Python would. It is counted in eager_while_compiling, not as a hit
+or a fallback. The first yes drops the callable, and from then on the entry
+is served as any other: the hot path pays one null check.
+*/
+
+/// Step 2: hit or miss. Returns the outputs when the entry failed before, or
+/// its graph is still compiling.
 std::optional<variable_list> lookup(BackwardRun& run) {
   ShadowNode& entry = *run.entry;
   if (entry.failed) {
     return run.eager();
+  }
+  if (C10_UNLIKELY(entry.compiling.is_valid())) {
+    // See [Note: Eager while compiling].
+    if (!nb::cast<bool>(entry.compiling())) {
+      ++g_counters.eager_while_compiling;
+      return run_eager(run.root, run.graph_task);
+    }
+    entry.compiling = nb::object();
   }
   run.args = lift_args(*run.state);
   if (!entry.compiled_fn.is_valid() || !sizes_match(entry, run.args.size_values)) {
@@ -625,6 +649,14 @@ std::optional<variable_list> run_graph(BackwardRun& run, nb::object& result) {
   }
   if (run.entry_alive()) {
     run.entry->first_run = false;
+    // See [Note: Eager while compiling]; an optional method of the runtime.
+    nb::object take = nb::getattr(run.runtime, "take_compiling", nb::none());
+    if (!take.is_none()) {
+      nb::object compiling = take();
+      if (!compiling.is_none() && run.entry_alive()) {
+        run.entry->compiling = std::move(compiling);
+      }
+    }
   }
   return std::nullopt;
 }
@@ -849,15 +881,17 @@ void register_engine_hook(nb::module_& m) {
         d["captures"] = g_counters.captures.load();
         d["cache_hits"] = g_counters.cache_hits.load();
         d["eager_fallbacks"] = g_counters.eager_fallbacks.load();
+        d["eager_while_compiling"] = g_counters.eager_while_compiling.load();
         return d;
       },
-      "captures, cache_hits and eager_fallbacks since the last reset_counters().");
+      "captures, cache_hits, eager_fallbacks and eager_while_compiling since the last reset_counters().");
   m.def(
       "reset_counters",
       []() {
         g_counters.captures = 0;
         g_counters.cache_hits = 0;
         g_counters.eager_fallbacks = 0;
+        g_counters.eager_while_compiling = 0;
         g_timings.walk_ns = 0;
         g_timings.run_ns = 0;
         g_timings.finish_ns = 0;

@@ -138,6 +138,7 @@ void ShadowNode::clear_failed() {
     failure.clear();
     compiled_fn = nb::object();
     first_run = true;
+    compiling = nb::object();
   }
   walk_failures.clear();
   for (auto& [_, child] : next) {
@@ -156,6 +157,7 @@ void ShadowNode::clear() {
   failure.clear();
   static_sizes = false;
   first_run = true;
+  compiling = nb::object();
   hits = 0;
   leaf_outputs.clear();
   leaf_hooks_only.clear();

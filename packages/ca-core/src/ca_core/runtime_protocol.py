@@ -44,6 +44,9 @@ class EngineRuntime(Protocol):
         """First call of a fresh graph; None (with ``last_failure`` set) if it failed."""
         ...
 
+    # Optional: ``take_compiling() -> Callable[[], bool] | None``, called after a
+    # first run that succeeded; see [Note: Eager while compiling] in engine_hook.cpp.
+
     def report_fallback(self, node: str, reason: str) -> None:
         """Warn that this backward runs eagerly because ``node`` failed for ``reason``."""
         ...

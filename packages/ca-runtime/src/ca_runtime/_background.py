@@ -28,8 +28,17 @@ The uncompiled runs execute the very graph Inductor compiles (a deep copy
 of the module, subgraphs included, taken before Inductor's post-grad passes
 rewrite the original in place), with the same Dynamo
 guards, hooks and side effects around it, so a backward gives the same result
-whichever way it ran, and ``captures``/``cache_hits`` count as usual;
-``stats()`` adds ``background_compiles`` and ``uncompiled_runs``.
+whichever way it ran. Only the capturing backward normally runs so: the
+runtime hands ca_core a readiness check for the compiles that first run
+started (``Runtime.take_compiling``), and until they end, later backwards
+that reach the entry run on the eager engine, whose nodes do not need the
+GIL (see [Note: Eager while compiling] in ca_core). Not so where the
+backward holds a ``torch.compile``'d region's: eagerly, that node would
+make AOTAutograd compile its own backward graph (seconds, behind the compile
+under way), so those graphs serve the backwards meanwhile uncompiled, as
+does a graph Dynamo recompiles during a hit until its own compile ends.
+``stats()`` adds ``background_compiles``, ``uncompiled_runs`` and
+``eager_while_compiling``.
 
 The graph compiles on the calling thread, as without this mode, where a
 background compile could differ from it: a graph that needs autograd
@@ -90,6 +99,7 @@ __all__ = [
     "BackgroundInductor",
     "background_counts",
     "reset_background_counts",
+    "take_started",
     "wait_for_background_compiles",
 ]
 
@@ -148,6 +158,17 @@ def wait_for_background_compiles(timeout: float | None = None) -> bool:
             _finished(pending)  # normally done by the thread itself; idempotent
 
 
+#: Per thread: the compile threads it started since the last take_started().
+_started_here = threading.local()
+
+
+def take_started() -> list[threading.Thread]:
+    """The compile threads this thread started since the last call; see [Note: Eager while compiling] in ca_core."""
+    threads: list[threading.Thread] = getattr(_started_here, "threads", [])
+    _started_here.threads = []
+    return threads
+
+
 def _begin(thread: threading.Thread) -> bool:
     """Starts ``thread``; False if it could not be started (the graph then stays uncompiled)."""
     with _live_lock:
@@ -161,6 +182,9 @@ def _begin(thread: threading.Thread) -> bool:
         _finished(thread)
         return False
     _COUNTS.background_compiles += 1
+    if not hasattr(_started_here, "threads"):
+        _started_here.threads = []
+    _started_here.threads.append(thread)
     return True
 
 

@@ -292,8 +292,9 @@ def stats() -> dict[str, int]:
     served from the cache), ``graph_breaks`` (calls that run eagerly behind a
     graph break, summed over the captured graphs), ``eager_fallbacks``
     (backwards run wholly eagerly), and for ``compile_in_background``,
-    ``background_compiles`` (Inductor compiles started on a thread) and
-    ``uncompiled_runs`` (graph calls run op by op while theirs went on).
+    ``background_compiles`` (Inductor compiles started on a thread),
+    ``uncompiled_runs`` (graph calls run op by op while theirs went on) and
+    ``eager_while_compiling`` (backwards run on the eager engine meanwhile).
     """
     counters = ca_core.counters()
     return {
@@ -302,6 +303,7 @@ def stats() -> dict[str, int]:
         "graph_breaks": graph_break_count(),
         "eager_fallbacks": counters["eager_fallbacks"],
         **background_counts(),
+        "eager_while_compiling": counters["eager_while_compiling"],
     }
 
 

@@ -23,6 +23,11 @@ which mypy checks ``Runtime`` against):
   the entry usable. An exception raised by user code the graph calls (a
   hook, a Function's backward) is re-raised at once, unchanged (see
   [Note: User errors are tagged] in _graph_ops.py).
+- ``take_compiling()``: right after a first run that succeeded, a callable
+  that says whether the kernels that run started compiling in the background
+  are ready, or None; see [Note: Eager while compiling] in ca_core and
+  [Note: Compiling in the background] in _background.py. Optional: a runtime
+  without it compiles nothing in the background.
 - ``report_fallback(node, reason)``: ca_core could not even walk the graph.
 - ``proxy_call_backward(...)``: torch's PyNode calls this on the installed
   compiler object when a Python Function's node is applied through
@@ -51,6 +56,8 @@ from typing import Any
 import ca_core
 import torch
 
+from ca_runtime._aot import is_aot_backward
+from ca_runtime._background import take_started
 from ca_runtime._capture import UnsupportedNode, build_graph_module
 from ca_runtime._graph_ops import call_user, raised_by_user_code
 from ca_runtime._log import EagerFallbackWarning, GraphBreakWarning, log, miss_log
@@ -172,6 +179,9 @@ class Runtime:
             return None
         records.capture_compiled(record, time.perf_counter() - start)
         self._records.pending = record
+        # See take_compiling(): a torch.compile'd region's real backward, run
+        # eagerly, would compile AOTAutograd's own backward graph.
+        self._records.eager_while_compiling = not any(is_aot_backward(node) for node in graph.nodes)
         for brk in STATE.record_capture(gm, captured.graph_breaks):
             message = f"ca_runtime: graph break at {brk.node_name} (node {brk.node_index}): {brk.reason}"
             log.info(message)
@@ -199,6 +209,7 @@ class Runtime:
         # Described before the call: Dynamo takes the items of `inputs` over
         # (see [Note: Saved tensors freed early] in ca_core).
         described = records.describe_inputs(inputs) if record is not None else []
+        take_started()  # only the compiles this run starts; see take_compiling()
         start = time.perf_counter()
         try:
             # See [Note: Dynamo's tracing cycles] and, in _torch_interop.py,
@@ -234,6 +245,20 @@ class Runtime:
             len(graph.nodes),
             graph.miss_reason,
         )
+
+    def take_compiling(self) -> Callable[[], bool] | None:
+        """See [Note: Capture methods]: whether the compiles the last first run started have ended.
+
+        None, so that the graph serves the backwards meanwhile (uncompiled),
+        when the capture holds the backward of a ``torch.compile``'d region:
+        eagerly, that node would make AOTAutograd compile its own backward
+        graph (seconds, behind the compile under way) that our graph never
+        needs.
+        """
+        threads = take_started()
+        if not threads or not getattr(self._records, "eager_while_compiling", True):
+            return None
+        return lambda: not any(thread.is_alive() for thread in threads)
 
     def report_fallback(self, node: str, reason: str) -> None:
         # After a failed first run, ca_core reports the fallback of that capture.
