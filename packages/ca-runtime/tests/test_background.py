@@ -233,27 +233,47 @@ def test_background_compile_of_training_setups_gives_eager_results(setup: str) -
 
 
 @pytest.mark.inductor
-def test_settings_changed_before_the_thread_compiles_defer_the_compile_to_the_next_call(
+def test_the_thread_compiles_with_the_captures_inductor_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Config values are per thread (context variables); see [Note: State at capture time]."""
+    import threading
+
+    import torch._inductor.compile_fx
+    import torch._inductor.config
+
+    real_compile = torch._inductor.compile_fx.compile_fx_inner
+    seen: list[tuple[str, bool]] = []
+
+    def recording_compile(*args: object, **kwargs: object) -> object:
+        seen.append((threading.current_thread().name, torch._inductor.config.fx_graph_cache))
+        return real_compile(*args, **kwargs)
+
+    monkeypatch.setattr(torch._inductor.compile_fx, "compile_fx_inner", recording_compile)
+    with torch._inductor.config.patch(fx_graph_cache=not torch._inductor.config.fx_graph_cache):
+        wanted = torch._inductor.config.fx_graph_cache
+        _compare_mlp_with_hooks(wait_at=1, steps=2).assert_ok()
+    assert seen == [("ca-inductor-compile", wanted)], seen
+
+
+@pytest.mark.inductor
+def test_global_state_changed_before_the_thread_compiles_defers_the_compile_to_the_next_call(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """See [Note: State at capture time]: the thread sees other settings than the capture, so it compiles nothing."""
+    """See [Note: State at capture time]: the thread sees other flags than the capture, so it compiles nothing."""
     import threading
 
     import torch._inductor.compile_fx
 
-    real_copy = _background._inductor_settings
     real_compile = torch._inductor.compile_fx.compile_fx_inner
     compiled_on: list[str] = []
 
-    def config_copy() -> dict:
-        changed = threading.current_thread() is not threading.main_thread()
-        return {**real_copy(), "changed since the capture": True} if changed else real_copy()
+    def changed_since(global_state: object) -> str:
+        return "" if threading.current_thread() is threading.main_thread() else "deterministic algorithms"
 
     def recording_compile(*args: object, **kwargs: object) -> object:
         compiled_on.append(threading.current_thread().name)
         return real_compile(*args, **kwargs)
 
-    monkeypatch.setattr(_background, "_inductor_settings", config_copy)
+    monkeypatch.setattr(_background, "_changed_since", changed_since)
     monkeypatch.setattr(torch._inductor.compile_fx, "compile_fx_inner", recording_compile)
     result = _compare_mlp_with_hooks(wait_at=1, steps=3)
     result.assert_ok()

@@ -44,9 +44,8 @@ The graph compiles on the calling thread, as without this mode, where a
 background compile could differ from it: a graph that needs autograd
 (``create_graph=True``), one with symbolic sizes (Inductor may add guards
 while lowering, which Dynamo must have installed before the first run),
-collectives (every rank must run them alike), CUDA graphs, ``cpp_wrapper`` or
-config patches (a ``config.patch`` is process-global and would leak into the
-caller's thread).
+collectives (every rank must run them alike), CUDA graphs, ``cpp_wrapper``,
+freezing, or options given to the backend.
 
 [Note: One Inductor compile at a time]
 Inductor keeps per-compile state in class attributes (``TritonBundler``
@@ -61,14 +60,19 @@ for the one under way to finish, as a compile on another thread would make
 it wait without this mode.
 
 [Note: State at capture time]
-Inductor reads process-global state while it lowers: its own config, and
-torch's deterministic-algorithms and TF32 flags, which Dynamo's global-state
-guard fixed for this graph at capture. The thread compiles later, so it
-first checks that both are as they were at the capture (a
-``GlobalStateGuard`` and a copy of Inductor's config, taken then). If the
-user changed either meanwhile, it compiles nothing, and the graph's next
-call, which Dynamo's guards have just matched to the capture's state,
-compiles it on the calling thread instead.
+Inductor reads two kinds of state while it lowers. Its config (and
+Dynamo's and AOTAutograd's) lives in context variables in torch 2.13: a
+value set or patched on one thread is not seen on another, which starts
+from the defaults. So the thread compiles inside a copy of the capturing
+thread's context (``contextvars.copy_context()`` at the capture), with the
+config the capture had, ``compile_fx``'s own patches included, whatever the
+user sets afterwards. torch's deterministic-algorithms and TF32 flags are
+process-global; Dynamo's global-state guard fixed them for this graph at
+capture. The thread checks them first (a ``GlobalStateGuard`` taken at the
+capture); if the user changed one meanwhile, it compiles nothing, and the
+graph's next call, which Dynamo's guards have just matched to the
+capture's state, compiles it on the calling thread instead (in a copy of the
+same context).
 
 The thread is not a daemon: at exit Python waits for a compile under way
 before it runs ``atexit`` handlers (Inductor's compile workers stop in one);
@@ -81,6 +85,7 @@ uncompiled; nothing else changes.
 
 from __future__ import annotations
 
+import contextvars
 import copy
 import math
 import sys
@@ -282,10 +287,9 @@ def _reason_to_compile_here(
     return None
 
 
-def _inductor_settings() -> dict[str, Any]:
-    """Inductor's whole config, to compare between the capture and the compile thread."""
-    settings: dict[str, Any] = torch._inductor.config.get_config_copy()
-    return settings
+def _changed_since(global_state: Any) -> str:
+    """Which process-global torch state differs from the capture's, or ""; see [Note: State at capture time]."""
+    return "" if global_state.check() else f"torch's global state ({global_state.reason()})"
 
 
 def _uncompiled_copy(gm: torch.fx.GraphModule) -> Callable[[list[Any]], Any]:
@@ -318,7 +322,7 @@ def _start(
     compiling = torch._guards.CompileContext.try_get()
     # See [Note: State at capture time].
     global_state = torch._C._dynamo.guards.GlobalStateGuard()
-    inductor_config = _inductor_settings()
+    context = contextvars.copy_context()
     first_run_lock = threading.Lock()
     started = False
 
@@ -334,12 +338,11 @@ def _start(
         begun = time.perf_counter()
         try:
             with torch.no_grad(), torch._C._DisableAutocast():
-                if not global_state.check() or _inductor_settings() != inductor_config:
+                changed = _changed_since(global_state)
+                if changed:
                     # See [Note: State at capture time].
                     cell.cell_contents = compile_on_next_call
-                    log.info(
-                        "ca_runtime: torch or Inductor settings changed since the capture; compiling later"
-                    )
+                    log.info("ca_runtime: %s changed since the capture; compiling on the next call", changed)
                     return
                 compiled = compile_now()
         except BaseException as e:  # noqa: BLE001 - reported; the graph keeps running uncompiled
@@ -365,7 +368,7 @@ def _start(
         # The state Dynamo's guards just checked for this call is the capture's.
         cell.cell_contents = run_uncompiled
         try:
-            compiled = compile_now()
+            compiled = context.copy().run(compile_now)
         except Exception as e:  # noqa: BLE001 - as a failed background compile
             message = (
                 f"ca_runtime: Inductor failed to compile a backward graph ({type(e).__name__}: "
@@ -390,7 +393,11 @@ def _start(
             return run_uncompiled(args)
         finally:
             if start:
-                _begin(threading.Thread(target=compile_graph, name="ca-inductor-compile", daemon=False))
+                _begin(
+                    threading.Thread(
+                        target=context.run, args=(compile_graph,), name="ca-inductor-compile", daemon=False
+                    )
+                )
 
     target = first_run
 
