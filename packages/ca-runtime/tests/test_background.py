@@ -13,26 +13,15 @@ import torch
 import torch.fx
 from ca_runtime import _background
 from ca_testkit import compare
+from ca_testkit.scenarios import Cube, make_mlp
 
 
 def _mlp() -> torch.nn.Sequential:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    return make_mlp(seed=0, sizes=(8, 16, 4))
 
 
 def _step_with_hooks(model: torch.nn.Module, x: torch.Tensor, wait_at: int):
     """A step whose backward calls a tensor hook and a Python Function; waits for compiles at ``wait_at``."""
-
-    class Cube(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, t):
-            ctx.save_for_backward(t)
-            return t**3
-
-        @staticmethod
-        def backward(ctx, g):
-            (t,) = ctx.saved_tensors
-            return 3 * t * t * g
 
     def hook(g: torch.Tensor) -> torch.Tensor:
         # No Python side effect: Dynamo guards on a growing list's length and

@@ -10,7 +10,7 @@ import ca_runtime
 import ca_testkit
 import pytest
 import torch
-from ca_testkit.scenarios import batch, make_mlp, mlp_step
+from ca_testkit.scenarios import Cube, batch, make_mlp, mlp_step
 
 
 def test_mlp_three_steps_one_capture(backend: str) -> None:
@@ -210,18 +210,6 @@ def test_torch_dynamo_reset_inside_enable_keeps_our_hook(backend: str) -> None:
         step(2)
     stats = ca_runtime.stats()
     assert stats["captures"] + stats["cache_hits"] == 3 and stats["eager_fallbacks"] == 0, stats
-
-
-class Cube(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, a: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(a)
-        return a**3
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        (a,) = ctx.saved_tensors
-        return 3 * a * a * grad
 
 
 def test_unsupported_node_falls_back_with_one_warning(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:

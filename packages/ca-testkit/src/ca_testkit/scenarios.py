@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["batch", "make_mlp", "mlp_step"]
+__all__ = ["Cube", "batch", "make_mlp", "mlp_step"]
 
 
 def make_mlp(seed: int = 0, sizes: tuple[int, ...] = (8, 16, 4)) -> torch.nn.Sequential:
@@ -41,3 +41,17 @@ def mlp_step(model: torch.nn.Module, n: int = 6) -> Callable[[int], torch.Tensor
         return loss
 
     return step
+
+
+class Cube(torch.autograd.Function):
+    """``x**3`` as a Python Function that saves its input: a custom backward in the graph."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, a: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(a)
+        return a**3
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> torch.Tensor:
+        (a,) = ctx.saved_tensors  # type: ignore[attr-defined]
+        return 3 * a * a * grad
