@@ -490,19 +490,18 @@ def test_checkpoint_ops_outputs_share_no_memory_and_are_dense() -> None:
 
     weight = torch.nn.Parameter(torch.randn(3, 4))
     fresh = torch.randn(4, 3)
-    alone = torch.randn(2, 1)
-    alone_memory = alone.untyped_storage().data_ptr()
     held = torch.randn(2, 2)  # checkpoint hands back a tensor without grad as it is: the user's own
     tensors = [
         weight.detach().t(),
         fresh.detach(),
         fresh.detach(),
         torch.randn(3, 5).t(),
-        alone.detach(),
+        torch.randn(2, 1).detach(),  # never bound to a name: nothing else holds it
         held,
         torch.randn(5, 3)[2:],
     ]
-    del fresh, alone
+    alone_memory = tensors[4].untyped_storage().data_ptr()
+    del fresh
     shapes = [list(t.shape) for t in tensors]
     out = _fresh_and_dense(tensors, shapes, [t.dtype for t in tensors])
     for t, o in zip(tensors, out):

@@ -203,10 +203,12 @@ def _references(t: torch.Tensor) -> int:
     return sys.getrefcount(t)
 
 
-#: _references of a tensor held by one list slot alone.
-_probe = [torch.empty(0)]
-_LIST_SLOT_ONLY = _references(_probe[0])
-del _probe
+#: A tensor held by one list slot alone: its _references, counted at each
+#: use, is the baseline. Counted then, not once at import: a tracer
+#: (sys.settrace: a debugger, coverage) that reads frames' locals adds a
+#: reference to what a frame holds, and must be in force for both counts or
+#: for neither.
+_PROBE = [torch.empty(0)]
 
 
 def _fresh_and_dense(
@@ -224,6 +226,7 @@ def _fresh_and_dense(
     # Per storage: the Python storage object we hold while counting, and its users.
     storages: dict[int, tuple[torch.UntypedStorage, list[int]]] = {}
     alone = [False] * len(tensors)
+    list_slot_only = _references(_PROBE[0])
     for i in range(len(tensors)):
         t, shape, dtype = tensors[i], shapes[i], dtypes[i]
         if type(t) not in (torch.Tensor, torch.nn.Parameter):
@@ -238,7 +241,7 @@ def _fresh_and_dense(
             )
         del t
         # Held by our list alone, in Python and in C++.
-        alone[i] = _references(tensors[i]) == _LIST_SLOT_ONLY and tensors[i]._use_count() == 1  # type: ignore[attr-defined]
+        alone[i] = _references(tensors[i]) == list_slot_only and tensors[i]._use_count() == 1  # type: ignore[attr-defined]
         storage = tensors[i].untyped_storage()
         storages.setdefault(storage._cdata, (storage, []))[1].append(i)
     out = list(tensors)
