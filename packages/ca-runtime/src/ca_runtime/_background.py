@@ -310,6 +310,17 @@ def _uncompiled_copy(gm: torch.fx.GraphModule) -> Callable[[list[Any]], Any]:
     return run_uncompiled
 
 
+def _report_failure(error: BaseException, where: str, stacklevel: int) -> None:
+    """One EagerFallbackWarning for a compile that failed; the graph keeps running uncompiled."""
+    first = (str(error).strip().splitlines() or [""])[0]
+    message = (
+        f"ca_runtime: Inductor failed to compile a backward graph{where} "
+        f"({type(error).__name__}: {first}); that graph keeps running op by op, uncompiled"
+    )
+    log.info(message, exc_info=error)
+    warnings.warn(message, EagerFallbackWarning, stacklevel=stacklevel + 1)
+
+
 def _start(
     gm: torch.fx.GraphModule, example_inputs: Sequence[Any], kwargs: dict[str, Any]
 ) -> Callable[..., Any]:
@@ -349,13 +360,7 @@ def _start(
             if _Shutdown.started:
                 log.debug("ca_runtime: background compile stopped by interpreter shutdown: %s", e)
                 return
-            first = (str(e).strip().splitlines() or [""])[0]
-            message = (
-                f"ca_runtime: Inductor failed to compile a backward graph in the background "
-                f"({type(e).__name__}: {first}); that graph keeps running op by op, uncompiled"
-            )
-            log.info(message, exc_info=True)
-            warnings.warn(message, EagerFallbackWarning, stacklevel=1)
+            _report_failure(e, " in the background", stacklevel=1)
         else:
             cell.cell_contents = compiled
             log.info(
@@ -370,12 +375,7 @@ def _start(
         try:
             compiled = context.copy().run(compile_now)
         except Exception as e:  # noqa: BLE001 - as a failed background compile
-            message = (
-                f"ca_runtime: Inductor failed to compile a backward graph ({type(e).__name__}: "
-                f"{(str(e).strip().splitlines() or [''])[0]}); that graph keeps running op by op, uncompiled"
-            )
-            log.info(message, exc_info=True)
-            warnings.warn(message, EagerFallbackWarning, stacklevel=2)
+            _report_failure(e, "", stacklevel=3)
             return run_uncompiled(args)
         cell.cell_contents = compiled
         return compiled(args)
