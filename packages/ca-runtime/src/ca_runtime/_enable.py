@@ -105,6 +105,17 @@ def _drop_cache(key: str) -> None:
         ca_core.drop_cache_root(key)
 
 
+@functools.cache
+def _background_inductor() -> BackgroundInductor:
+    """One backend object for every graph and every enable(), as torch.compile's string backend would be."""
+    return BackgroundInductor()
+
+
+def _compile_in_thread(gm: torch.fx.GraphModule) -> Callable[..., Any]:
+    """compiler_fn of ``compile_in_background=True``; see [Note: Compiling in the background]."""
+    return torch.compile(gm, backend=_background_inductor(), dynamic=None)
+
+
 def _resolve_compiler(compiler_fn: object, compile_in_background: object = False) -> CompilerFn:
     if not isinstance(compile_in_background, bool):
         raise TypeError(f"compile_in_background must be a bool, got {type(compile_in_background).__name__}")
@@ -114,14 +125,7 @@ def _resolve_compiler(compiler_fn: object, compile_in_background: object = False
             f"thread), got {compiler_fn!r}"
         )
     if compile_in_background:
-        background = BackgroundInductor()
-
-        def compile_in_thread(gm: torch.fx.GraphModule) -> Callable[..., Any]:
-            # See [Note: Compiling in the background]; one backend object for
-            # every graph, as torch.compile's string backend would be.
-            return torch.compile(gm, backend=background, dynamic=None)
-
-        return compile_in_thread
+        return _compile_in_thread
     if isinstance(compiler_fn, str):
         valid = _valid_backends()
         if compiler_fn not in valid:
@@ -238,8 +242,8 @@ def enable(compiler_fn: CompilerFn | str, *, compile_in_background: bool = False
     callable (e.g. ``lambda gm: torch.compile(gm, backend="inductor")``), or is
     a backend name accepted by ``torch.compile``. With
     ``compile_in_background=True`` (backend ``"inductor"`` only), Inductor
-    compiles each new graph's kernels on a thread while that graph runs op by
-    op; see [Note: Compiling in the background] and
+    compiles each new graph's kernels on a thread while backwards run op by op
+    or on the eager engine; see [Note: Compiling in the background] and
     ``wait_for_background_compiles()``. Use it as ``with
     enable(...) as runtime:``; on exit, by return or by exception, the engine
     hook that was active before is restored (see [Note: Restoring the engine
