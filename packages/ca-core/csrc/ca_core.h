@@ -49,8 +49,10 @@ register_x(); module.cpp only calls them):
   4. Miss: describe.cpp turns the walked state into a BackwardGraph and
      ca_runtime's capture() builds and compiles an FX graph (see
      [Note: Capture methods] in ca_runtime); hit: the stored function.
-  5. The graph runs: its apply_node/validate_outputs calls are node_apply.cpp
-     (saved values swapped in per call), generated nodes' functional
+  5. The graph runs: its apply_node(s)/validate_outputs calls are
+     node_apply.cpp (saved values swapped in per call, or the node run as
+     eager runs it where the values are its own: see [Note: Eager fast path]
+     and [Note: Runs of nodes in one call]), generated nodes' functional
      backwards go through compiler_interface.cpp's registry.
   6. engine_hook.cpp again: leaf grads through the real AccumulateGrad nodes,
      saved variables released, final callbacks run; any failure of ours runs
@@ -235,8 +237,10 @@ struct ShadowNode {
 /// created on first use. Guarded by the GIL: see [Note: Cache and the GIL]
 /// and [Note: One cache per compiler].
 ShadowNode& cache_root(const std::string& compiler_key);
-/// Bumped by clear_cache(); an in-flight capture that sees it change drops its result.
-uint64_t cache_generation();
+/// Changes when clear_cache() empties every tree or drop_cache_root() empties
+/// `root`'s; an in-flight capture that sees it change drops its result. See
+/// [Note: Cache and the GIL].
+uint64_t cache_generation(const ShadowNode& root);
 
 /// A node's compiled_args failed during the walk; names the node.
 struct WalkError : std::runtime_error {
@@ -312,6 +316,9 @@ PyObject* installed_runtime();
 /// hooks, as the engine copies them), then its post hooks (e.g. the C++ DDP
 /// Reducer's). Its tensor pre-hooks ran in the graph. See [Note: Leaf node hooks].
 void run_leaf_node(Node& fn, at::Tensor grad);
+
+/// Counts a node run through [Note: Freed saved tensors put back] (engine_hook.cpp's counters).
+void count_node_put_back();
 
 /// Runs only the grad_fn post hooks of a leaf the graph accumulated (outputs
 /// empty, inputs = {grad}), after the graph; see [Note: Leaves accumulated in

@@ -95,6 +95,7 @@ struct Counters {
   std::atomic<uint64_t> cache_hits{0};
   std::atomic<uint64_t> eager_fallbacks{0};
   std::atomic<uint64_t> eager_while_compiling{0};
+  std::atomic<uint64_t> nodes_put_back{0};
 };
 Counters g_counters;
 
@@ -342,17 +343,19 @@ class StepTimer {
 /// One backward in flight through the hook; see [Note: The steps of a backward].
 struct BackwardRun {
   BackwardRun(const c10::intrusive_ptr<Node>& root, const GraphTask& graph_task)
-      : root(root), graph_task(graph_task), runtime(g_runtime) {}
+      : root(root), graph_task(graph_task), runtime(g_runtime), cache(g_cache) {}
   /// The engine's root node and task (the eager fallback runs them).
   const c10::intrusive_ptr<Node>& root;
   const GraphTask& graph_task;
   /// The installed ca_runtime object (capture, run_first, report_fallback).
   nb::handle runtime;
+  /// The root of the cache tree it walks (its compiler's).
+  ShadowNode* cache;
   /// The walked backward.
   BackwardStatePtr state;
   /// The cache entry the walk ended at.
   ShadowNode* entry = nullptr;
-  /// cache_generation() after the walk: Python code may clear the cache
+  /// cache_generation(*cache) after the walk: Python code may clear the cache
   /// meanwhile, and then `entry` is gone; see [Note: Cache and the GIL].
   uint64_t generation = 0;
   /// The graph's inputs.
@@ -365,7 +368,7 @@ struct BackwardRun {
   bool first_run = false;
   /// Whether `entry` still exists.
   bool entry_alive() const {
-    return cache_generation() == generation;
+    return cache_generation(*cache) == generation;
   }
   /// Runs the backward on the eager engine and counts it as a fallback.
   variable_list eager() const {
@@ -380,16 +383,16 @@ std::optional<variable_list> walk(
     bool accumulate_grad,
     const torch::autograd::edge_list& output_edges) {
   StepTimer timer(g_timings.walk_ns);
-  const uint64_t walk_generation = cache_generation();
+  const uint64_t walk_generation = cache_generation(*run.cache);
   try {
-    run.state = walk_graph(*g_cache, run.root, run.graph_task, output_edges);
+    run.state = walk_graph(*run.cache, run.root, run.graph_task, output_edges);
   } catch (const WalkError& e) {
     if (e.remembered) {
       return run.eager();
     }
     // Eager first: its error is the user's; see [Note: Whose failure].
     variable_list outputs = run_eager(run.root, run.graph_task);
-    if (cache_generation() == walk_generation) {
+    if (cache_generation(*run.cache) == walk_generation) {
       e.at->walk_failures.push_back(e.type);
     }
     report_fallback(e.node, e.what());
@@ -398,7 +401,7 @@ std::optional<variable_list> walk(
   run.state->accumulate_grad = accumulate_grad;
   run.state->create_graph = c10::GradMode::is_enabled();
   run.entry = run.state->entry;
-  run.generation = cache_generation();
+  run.generation = cache_generation(*run.cache);
   return std::nullopt;
 }
 
@@ -780,6 +783,10 @@ variable_list compiled_backward(
 
 } // namespace
 
+void count_node_put_back() {
+  g_counters.nodes_put_back.fetch_add(1, std::memory_order_relaxed);
+}
+
 void run_leaf_node(Node& fn, at::Tensor grad) {
   variable_list inputs;
   inputs.emplace_back(std::move(grad));
@@ -882,9 +889,12 @@ void register_engine_hook(nb::module_& m) {
         d["cache_hits"] = g_counters.cache_hits.load();
         d["eager_fallbacks"] = g_counters.eager_fallbacks.load();
         d["eager_while_compiling"] = g_counters.eager_while_compiling.load();
+        d["nodes_put_back"] = g_counters.nodes_put_back.load();
         return d;
       },
-      "captures, cache_hits, eager_fallbacks and eager_while_compiling since the last reset_counters().");
+      "captures, cache_hits, eager_fallbacks, eager_while_compiling and "
+      "nodes_put_back (see [Note: Freed saved tensors put back]) since the "
+      "last reset_counters().");
   m.def(
       "reset_counters",
       []() {
@@ -892,6 +902,7 @@ void register_engine_hook(nb::module_& m) {
         g_counters.cache_hits = 0;
         g_counters.eager_fallbacks = 0;
         g_counters.eager_while_compiling = 0;
+        g_counters.nodes_put_back = 0;
         g_timings.walk_ns = 0;
         g_timings.run_ns = 0;
         g_timings.finish_ns = 0;

@@ -7,6 +7,7 @@
 #include "tensor_caster.h"
 
 #include <ATen/PythonTorchFunctionTLS.h>
+#include <ATen/SavedTensorHooks.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <torch/csrc/Device.h>
@@ -17,12 +18,15 @@
 #include <torch/csrc/utils/python_symnode.h>
 
 #include <cstring>
+#include <memory>
+#include <tuple>
 #include <typeinfo>
 
 #include <nanobind/stl/map.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
 namespace ca {
@@ -237,8 +241,10 @@ eager backend, compiler_fn returning the graph, the eager side of a graph
 break) -- the node runs as the eager engine runs it, (*node)(grads), without
 SwapSavedVariables, packing or the functional registry. "Exactly" means:
   - no replacement sizes (saved_sizes is None) and no saved-tensor hooks;
-  - each saved tensor is the very tensor the walk lifted (same TensorImpl) and
-    each scalar equals the node's own;
+  - each saved tensor is the very tensor the walk lifted (same TensorImpl),
+    or a real tensor where the node's was freed early (then it is put back
+    for the call; see [Note: Freed saved tensors put back]), and each scalar
+    equals the node's own;
   - nothing is being traced: no TorchDispatchMode or TorchFunctionMode is
     active, no tracing dispatch key is in the thread's included set, and no
     grad or saved tensor carries one (FakeTensor, FunctionalTensor and other
@@ -265,7 +271,18 @@ bool plain(const at::Tensor& t) {
   return !t.defined() || !t.key_set().has_any(kTracingKeys);
 }
 
-bool holds_own_values(
+/// Which eager fast path a node may take; see [Note: Eager fast path].
+enum class FastPath {
+  /// None: the swap of apply_with_saved.
+  kNone,
+  /// The node holds exactly the values given: run it as it is.
+  kOwn,
+  /// Its saved tensors were freed early and real ones are given: put them
+  /// back in, run it, free them again; see [Note: Freed saved tensors put back].
+  kPutBack,
+};
+
+FastPath fast_path(
     const NodeState& ns,
     const variable_list& grads,
     const variable_list& tensors,
@@ -276,23 +293,28 @@ bool holds_own_values(
       c10::impl::TorchDispatchModeTLS::any_modes_set() ||
       at::impl::torch_function_mode_enabled() ||
       c10::impl::tls_local_dispatch_key_set().included_.has_any(kTracingKeys)) {
-    return false;
+    return FastPath::kNone;
   }
   for (const auto& g : grads) {
     if (!plain(g)) {
-      return false;
+      return FastPath::kNone;
     }
   }
+  FastPath path = FastPath::kOwn;
   const auto& lifted = collected.tensor_args.inputs;
   for (size_t i = 0; i < lifted.size(); ++i) {
-    if (tensors[i].unsafeGetTensorImpl() != lifted[i].unsafeGetTensorImpl() ||
-        !plain(tensors[i])) {
-      return false;
+    if (!plain(tensors[i])) {
+      return FastPath::kNone;
+    }
+    if (!lifted[i].defined() && tensors[i].defined()) {
+      path = FastPath::kPutBack;  // see [Note: Saved tensors freed early] in engine_hook.cpp
+    } else if (tensors[i].unsafeGetTensorImpl() != lifted[i].unsafeGetTensorImpl()) {
+      return FastPath::kNone;
     }
   }
   const auto& args = collected.lifted_ivalue_args.args;
   if (!args.empty() && !PyList_Check(scalars.ptr())) {
-    return false;
+    return FastPath::kNone;
   }
   for (size_t i = 0; i < args.size(); ++i) {
     PyObject* value = PyList_GET_ITEM(scalars.ptr(), static_cast<Py_ssize_t>(i));
@@ -300,33 +322,107 @@ bool holds_own_values(
     if (own.isInt() && PyLong_CheckExact(value)) {
       int overflow = 0;
       if (PyLong_AsLongLongAndOverflow(value, &overflow) != own.toInt() || overflow != 0) {
-        return false;
+        return FastPath::kNone;
       }
     } else if (own.isDouble() && PyFloat_CheckExact(value)) {
       if (PyFloat_AS_DOUBLE(value) != own.toDouble()) {
-        return false;
+        return FastPath::kNone;
       }
     } else {
-      return false;
+      return FastPath::kNone;
     }
   }
-  return true;
+  return path;
 }
+
+/*
+[Note: Freed saved tensors put back]
+On a cache hit the nodes the graph traces have their saved tensors freed
+before it runs (see [Note: Saved tensors freed early] in engine_hook.cpp), so
+where the graph runs as Python the identity check of [Note: Eager fast path]
+fails for every node and each would take the swap of apply_with_saved, which
+packs the node's arguments and calls its functional: several times the cost
+of the node itself. When the only difference is that the node's lifted
+tensors were freed and real tensors are given in their place, the given
+tensors go back into the node's SavedVariables (as SwapSavedVariables puts a
+proxy in: a SavedVariable of the tensor, pack hooks off), the node runs as
+the eager engine runs it, and the freed SavedVariables are moved back. That
+needs every lifted tensor to be a SavedVariable's; a node that also lifted a
+plain tensor member (freed from its lifted list, not from the node) takes
+the swap.
+*/
+class PutBackSavedTensors {
+ public:
+  PutBackSavedTensors(const AutogradCompilerCall& collected, const variable_list& tensors) {
+    complete_ = torch_private::lifted_saved_variables(collected.tensor_args, slots_);
+    if (!complete_) {
+      return;
+    }
+    stash_.reserve(slots_.size());
+    const bool prior = at::SavedTensorDefaultHooks::set_tracing(true);
+    try {
+      for (auto& [saved, position] : slots_) {
+        torch::autograd::SavedVariable value(tensors[position], false);
+        stash_.push_back(std::move(*saved));
+        *saved = std::move(value);
+      }
+    } catch (...) {
+      at::SavedTensorDefaultHooks::set_tracing(prior);
+      restore();
+      throw;
+    }
+    at::SavedTensorDefaultHooks::set_tracing(prior);
+  }
+  ~PutBackSavedTensors() {
+    restore();
+  }
+  PutBackSavedTensors(const PutBackSavedTensors&) = delete;
+  PutBackSavedTensors& operator=(const PutBackSavedTensors&) = delete;
+
+  /// Whether every lifted tensor went back (else nothing did).
+  bool complete() const {
+    return complete_;
+  }
+
+ private:
+  void restore() {
+    for (size_t i = 0; i < stash_.size(); ++i) {
+      *slots_[i].first = std::move(stash_[i]);
+    }
+    stash_.clear();
+  }
+
+  /// Each lifted SavedVariable and the position of its tensor.
+  std::vector<std::pair<torch::autograd::SavedVariable*, uint32_t>> slots_;
+  /// The freed SavedVariables, moved out while the node runs.
+  std::vector<torch::autograd::SavedVariable> stash_;
+  /// Whether every lifted tensor is a SavedVariable's.
+  bool complete_ = false;
+};
 
 /// apply_with_saved on the node `ns` of the running backward (its eager fast
 /// path or the swap of the values given).
-variable_list apply_node_with_saved(
+variable_list apply_node_values(
     NodeState& ns,
-    nb::handle inputs,
-    nb::handle saved_tensors,
+    variable_list grads,
+    const variable_list& tensors,
     nb::handle saved_sizes,
     nb::handle saved_scalars) {
-  variable_list tensors = unpack_list(saved_tensors, "saved_tensors");
   check_saved_values(ns, tensors, saved_scalars);
-  variable_list grads = unpack_list(inputs, "inputs");
-  if (holds_own_values(ns, grads, tensors, saved_sizes, saved_scalars)) {
-    // See [Note: Eager fast path].
-    return (*ns.call.node)(std::move(grads));
+  switch (fast_path(ns, grads, tensors, saved_sizes, saved_scalars)) {
+    case FastPath::kOwn:
+      // See [Note: Eager fast path].
+      return (*ns.call.node)(std::move(grads));
+    case FastPath::kPutBack: {
+      PutBackSavedTensors put_back(*ns.collected, tensors);
+      if (put_back.complete()) {
+        count_node_put_back();
+        return (*ns.call.node)(std::move(grads));
+      }
+      break;
+    }
+    case FastPath::kNone:
+      break;
   }
   return run_with_values(
       ns,
@@ -334,6 +430,20 @@ variable_list apply_node_with_saved(
       tensors,
       saved_scalars,
       unpack_sizes(saved_sizes, ns.num_apply_sizes, "apply_with_saved"));
+}
+
+variable_list apply_node_with_saved(
+    NodeState& ns,
+    nb::handle inputs,
+    nb::handle saved_tensors,
+    nb::handle saved_sizes,
+    nb::handle saved_scalars) {
+  return apply_node_values(
+      ns,
+      unpack_list(inputs, "inputs"),
+      unpack_list(saved_tensors, "saved_tensors"),
+      saved_sizes,
+      saved_scalars);
 }
 
 variable_list apply_with_saved(
@@ -402,6 +512,217 @@ variable_list apply_node(
       ns,
       apply_node_with_saved(ns, inputs, saved_tensors, apply_sizes, saved_scalars),
       validate_sizes);
+}
+
+/*
+[Note: Runs of nodes in one call]
+Where the graph runs as Python -- Dynamo's eager backend, a compiler_fn that
+returns the graph, the eager side of a graph break -- each apply_node call
+costs a Python call, its argument lists and a Python object per output grad:
+about as much as the eager engine spends on the whole node. ca_runtime's
+capture therefore hands compiler_fn a graph in which each run of consecutive
+apply_node calls that feed only one another (nothing but getitem between
+them) is one apply_nodes call. Its plan (plan_node_run) is fixed at capture:
+for each node, where each input grad and saved tensor comes from (a tensor
+operand of the call, an output of an earlier node of the run, or None) and
+which of the call's other operands are its sizes and scalars. apply_nodes
+then runs the nodes in order as apply_node would, keeping the grads between
+them as C++ tensors, and drops each as soon as no later node of the run reads
+it (the eager engine frees a node's input grads once it has run). Nodes and
+errors are the same as with one apply_node per node, so tracing compilers
+(AOTAutograd below Dynamo) see the same ATen ops.
+
+Plans live for the process in a registry indexed by the plan id that the
+graph passes: a graph may be called as long as anything holds it, and a plan
+is a few integers per node.
+*/
+/// Where a value a planned node reads comes from; see [Note: Runs of nodes in one call].
+struct RunRef {
+  /// None, tensors[index] of the call, or output register `index`.
+  enum class Kind : uint8_t { kNone, kOperand, kRegister } kind = Kind::kNone;
+  /// The operand or register index.
+  uint32_t index = 0;
+};
+
+/// One node of a run.
+struct RunStep {
+  /// The node's index in the walk (as apply_node's node_idx).
+  uint32_t node_idx = 0;
+  /// Its input grads.
+  std::vector<RunRef> grads;
+  /// Its saved tensors (lifted, then unpacked), as apply_node's saved_tensors.
+  std::vector<RunRef> saved;
+  /// Index into the call's `others` of apply_sizes, saved_scalars and
+  /// validate_sizes; -1 for None.
+  int64_t apply_sizes = -1, scalars = -1, validate_sizes = -1;
+  /// Its outputs go to registers first_register .. first_register + num_outputs.
+  uint32_t first_register = 0;
+  /// How many output grads the graph expects of it.
+  uint32_t num_outputs = 0;
+  /// Registers no later step reads and the call does not return: dropped
+  /// after this step.
+  std::vector<uint32_t> release;
+};
+
+/// A run of nodes apply_nodes executes in one call.
+struct NodeRunPlan {
+  /// The nodes, in the graph's order.
+  std::vector<RunStep> steps;
+  /// How many output registers the steps fill.
+  uint32_t num_registers = 0;
+  /// The registers the call returns, in order.
+  std::vector<uint32_t> results;
+};
+
+std::vector<std::unique_ptr<NodeRunPlan>>& node_run_plans() {
+  static std::vector<std::unique_ptr<NodeRunPlan>> plans;
+  return plans;
+}
+
+/// A ref as plan_node_run takes it: >= 0 operand, -1 None, <= -2 register -ref - 2.
+RunRef run_ref(int64_t code, uint32_t num_registers) {
+  if (code >= 0) {
+    return {RunRef::Kind::kOperand, static_cast<uint32_t>(code)};
+  }
+  if (code == -1) {
+    return {};
+  }
+  const int64_t reg = -code - 2;
+  if (reg >= num_registers) {
+    throw nb::value_error("plan_node_run: a node reads a register no earlier node fills");
+  }
+  return {RunRef::Kind::kRegister, static_cast<uint32_t>(reg)};
+}
+
+using RunStepSpec = std::tuple<
+    uint32_t, std::vector<int64_t>, std::vector<int64_t>, int64_t, int64_t, int64_t, uint32_t>;
+
+uint32_t plan_node_run(const std::vector<RunStepSpec>& specs, const std::vector<int64_t>& results) {
+  auto plan = std::make_unique<NodeRunPlan>();
+  std::vector<int64_t> last_read;  // per register: the last step reading it
+  for (const auto& [node_idx, grads, saved, apply_sizes, scalars, validate_sizes, num_outputs] : specs) {
+    RunStep step;
+    step.node_idx = node_idx;
+    const auto step_idx = static_cast<int64_t>(plan->steps.size());
+    for (auto [codes, refs] : {std::pair{&grads, &step.grads}, std::pair{&saved, &step.saved}}) {
+      for (int64_t code : *codes) {
+        RunRef ref = run_ref(code, plan->num_registers);
+        if (ref.kind == RunRef::Kind::kRegister) {
+          last_read[ref.index] = step_idx;
+        }
+        refs->push_back(ref);
+      }
+    }
+    step.apply_sizes = apply_sizes;
+    step.scalars = scalars;
+    step.validate_sizes = validate_sizes;
+    step.first_register = plan->num_registers;
+    step.num_outputs = num_outputs;
+    plan->num_registers += num_outputs;
+    last_read.resize(plan->num_registers, -1);
+    plan->steps.push_back(std::move(step));
+  }
+  for (int64_t code : results) {
+    RunRef ref = run_ref(code, plan->num_registers);
+    if (ref.kind != RunRef::Kind::kRegister) {
+      throw nb::value_error("plan_node_run: results must be outputs of the run's nodes");
+    }
+    plan->results.push_back(ref.index);
+    last_read[ref.index] = static_cast<int64_t>(plan->steps.size());
+  }
+  for (uint32_t reg = 0; reg < plan->num_registers; ++reg) {
+    if (last_read[reg] >= 0 && last_read[reg] < static_cast<int64_t>(plan->steps.size())) {
+      plan->steps[last_read[reg]].release.push_back(reg);
+    }
+  }
+  // Registers nobody reads are dropped right after the step that fills them.
+  for (auto& step : plan->steps) {
+    for (uint32_t j = 0; j < step.num_outputs; ++j) {
+      if (last_read[step.first_register + j] < 0) {
+        step.release.push_back(step.first_register + j);
+      }
+    }
+  }
+  auto& plans = node_run_plans();
+  plans.push_back(std::move(plan));
+  return static_cast<uint32_t>(plans.size() - 1);
+}
+
+variable_list apply_nodes(uint32_t plan_id, nb::handle tensors, nb::handle others) {
+  const auto& plans = node_run_plans();
+  if (plan_id >= plans.size()) {
+    throw nb::value_error(("apply_nodes: no plan " + std::to_string(plan_id)).c_str());
+  }
+  const NodeRunPlan& plan = *plans[plan_id];
+  if (!PyList_Check(others.ptr())) {
+    throw nb::type_error("apply_nodes: others must be a list");
+  }
+  const variable_list operands = unpack_list(tensors, "tensors");
+  const auto num_others = PyList_GET_SIZE(others.ptr());
+  auto other = [&](int64_t i) -> nb::handle {
+    if (i < 0) {
+      return nb::none();
+    }
+    if (i >= num_others) {
+      throw nb::value_error("apply_nodes: others is shorter than the plan");
+    }
+    return PyList_GET_ITEM(others.ptr(), i);
+  };
+  // A node without lifted scalars; see check_saved_values.
+  const nb::object no_scalars = nb::steal(PyTuple_New(0));
+  variable_list registers(plan.num_registers);
+  auto value = [&](const RunRef& ref) -> at::Tensor {
+    switch (ref.kind) {
+      case RunRef::Kind::kOperand:
+        if (ref.index >= operands.size()) {
+          throw nb::value_error("apply_nodes: tensors is shorter than the plan");
+        }
+        return operands[ref.index];
+      case RunRef::Kind::kRegister:
+        return registers[ref.index];
+      case RunRef::Kind::kNone:
+        break;
+    }
+    return at::Tensor();
+  };
+  for (const RunStep& step : plan.steps) {
+    NodeState& ns = require_active(step.node_idx, "apply_nodes").nodes[step.node_idx];
+    variable_list grads, saved;
+    grads.reserve(step.grads.size());
+    saved.reserve(step.saved.size());
+    for (const RunRef& ref : step.grads) {
+      grads.push_back(value(ref));
+    }
+    for (const RunRef& ref : step.saved) {
+      saved.push_back(value(ref));
+    }
+    variable_list outputs = validate_node_outputs(
+        ns,
+        apply_node_values(
+            ns,
+            std::move(grads),
+            saved,
+            other(step.apply_sizes),
+            step.scalars < 0 ? nb::handle(no_scalars) : other(step.scalars)),
+        other(step.validate_sizes));
+    if (outputs.size() < step.num_outputs) {
+      throw std::runtime_error(
+          "apply_nodes: " + ns.call.node->name() + " returned " + std::to_string(outputs.size()) +
+          " grads, the graph expects " + std::to_string(step.num_outputs));
+    }
+    for (uint32_t j = 0; j < step.num_outputs; ++j) {
+      registers[step.first_register + j] = std::move(outputs[j]);
+    }
+    for (uint32_t reg : step.release) {
+      registers[reg].reset();
+    }
+  }
+  variable_list results;
+  results.reserve(plan.results.size());
+  for (uint32_t reg : plan.results) {
+    results.push_back(registers[reg]);
+  }
+  return results;
 }
 
 bool probe_traceable(uint32_t node_idx) {
@@ -499,6 +820,26 @@ void register_node_apply(nb::module_& m) {
       nb::arg("validate_sizes").none(),
       "apply_with_saved then validate_outputs in one call; see "
       "[Note: One call per node].");
+  m.def(
+      "plan_node_run",
+      &plan_node_run,
+      nb::arg("steps"),
+      nb::arg("results"),
+      "Registers the plan of a run of nodes for apply_nodes and returns its "
+      "id; see [Note: Runs of nodes in one call]. Each step is (node_idx, "
+      "grads, saved_tensors, apply_sizes, saved_scalars, validate_sizes, "
+      "num_outputs): grads and saved_tensors as refs (>= 0: tensors[ref], "
+      "-1: None, <= -2: output register -ref - 2, registers numbered by step "
+      "then output), the three others as indices into `others` (-1: None). "
+      "`results` are the register refs apply_nodes returns.");
+  m.def(
+      "apply_nodes",
+      &apply_nodes,
+      nb::arg("plan_id"),
+      nb::arg("tensors"),
+      nb::arg("others"),
+      "Runs the nodes of plan `plan_id` in order, as one apply_node call "
+      "each, on these operands; returns the plan's result grads.");
   m.def(
       "probe_traceable",
       &probe_traceable,

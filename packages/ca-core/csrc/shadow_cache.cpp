@@ -3,6 +3,8 @@
 // entry (which sizes match, which become dynamic, how they reach the graph)
 // and the explanations of misses.
 #include "ca_core.h"
+
+#include <unordered_map>
 #include "tensor_caster.h"
 
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
@@ -111,11 +113,18 @@ Every read and write of the cache tree happens with the GIL held and without
 running Python code in between, so the GIL serialises threads for us. Python
 code (capture, compiler_fn, the compiled graph) may release the GIL, so a
 ShadowNode pointer is not trusted across such a call: clear_cache() bumps the
-generation and the engine hook re-checks it before storing a result.
+generation of every tree, drop_cache_root() that of the one it empties, and
+the engine hook re-checks its tree's before storing a result. Per tree: a
+callable compiler_fn that dies (and drops its tree) while another compiler's
+backward is capturing -- a garbage collection may run anywhere -- must not
+throw that capture away.
 */
 
 namespace {
+/// Bumped by clear_cache().
 std::atomic<uint64_t> g_generation{0};
+/// Per root: how many times drop_cache_root() emptied it (GIL held).
+std::unordered_map<const ShadowNode*, uint64_t> g_root_drops;
 } // namespace
 
 
@@ -283,8 +292,9 @@ ShadowNode& cache_root(const std::string& compiler_key) {
   return *roots.emplace_back(compiler_key, std::make_unique<ShadowNode>()).second;
 }
 
-uint64_t cache_generation() {
-  return g_generation.load();
+uint64_t cache_generation(const ShadowNode& root) {
+  const auto it = g_root_drops.find(&root);
+  return g_generation.load() + (it == g_root_drops.end() ? 0 : it->second);
 }
 
 /// Whether a backward's sizes fit an entry: equal, or dynamic there; see
@@ -500,7 +510,7 @@ void register_shadow_cache(nb::module_& m) {
         auto& roots = cache_roots();
         for (auto it = roots.begin(); it != roots.end(); ++it) {
           if (it->first == compiler_key) {
-            ++g_generation;
+            ++g_root_drops[it->second.get()];
             it->second->clear();  // the root itself stays: a runtime may still point at it
             return;
           }

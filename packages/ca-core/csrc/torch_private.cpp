@@ -128,6 +128,27 @@ std::vector<TensorArg*> tensor_args_by_position(TensorArgs& args, size_t count) 
   return out;
 }
 
+bool lifted_saved_variables(
+    const TensorArgs& args,
+    std::vector<std::pair<torch::autograd::SavedVariable*, uint32_t>>& out) {
+  out.clear();
+  const size_t count = args.inputs.size();
+  size_t covered = 0;
+  for (const auto& [saved, arg] : args.*member_of(TensorArgsSavedVariables{})) {
+    if (!arg->defined()) {
+      continue;  // an undefined saved tensor: nothing to put back
+    }
+    const uint32_t position = arg->index();
+    bool first = true;
+    for (const auto& [_, seen] : out) {
+      first = first && seen != position;
+    }
+    covered += first ? 1 : 0;
+    out.emplace_back(const_cast<torch::autograd::SavedVariable*>(saved), position);
+  }
+  return covered == count;
+}
+
 void reset_lifted_saved_variables(const TensorArgs& args) {
   for (const auto& [saved, _] : args.*member_of(TensorArgsSavedVariables{})) {
     const_cast<torch::autograd::SavedVariable*>(saved)->reset_data();
@@ -239,6 +260,10 @@ void register_torch_private(nb::module_& m) {
         args.add(saved, b.grad_fn());
         const auto by_position = tensor_args_by_position(args, 2);
         const bool found = by_position[0] == &args.lookup(a) && by_position[1] == &args.lookup(b);
+        // `a` is a plain tensor, not a SavedVariable's: the list is incomplete.
+        std::vector<std::pair<torch::autograd::SavedVariable*, uint32_t>> slots;
+        const bool incomplete = !lifted_saved_variables(args, slots);
+        const bool listed = slots.size() == 1 && slots[0].first == &saved && slots[0].second == 1;
         reset_lifted_saved_variables(args);
         bool reset = false;
         try {
@@ -246,7 +271,7 @@ void register_torch_private(nb::module_& m) {
         } catch (const c10::Error&) {
           reset = true; // "Trying to backward through the graph a second time"
         }
-        return found && reset && b.defined();
+        return found && incomplete && listed && reset && b.defined();
       },
       "7. TensorArgs' private maps: TensorArgs by position, lifted SavedVariables.");
   m.def(

@@ -51,6 +51,7 @@
 #include <torch/csrc/dynamo/compiled_autograd.h>
 
 #include <string>
+#include <utility>
 #include <vector>
 
 // 1. Exported by libtorch_python; see the list above.
@@ -85,6 +86,12 @@ void restore_swap_stashes(torch::dynamo::autograd::SwapSavedVariables& swap);
 std::vector<torch::dynamo::autograd::TensorArg*> tensor_args_by_position(
     torch::dynamo::autograd::TensorArgs& args,
     size_t count);
+/// 7. Each SavedVariable `args` lifted (those without unpack hooks) with the
+/// position of its tensor in args.inputs, into `out`; false, with `out`
+/// incomplete, if some lifted tensor is not a SavedVariable's.
+bool lifted_saved_variables(
+    const torch::dynamo::autograd::TensorArgs& args,
+    std::vector<std::pair<torch::autograd::SavedVariable*, uint32_t>>& out);
 /// 7. Resets the data of every SavedVariable whose tensor `args` lifted
 /// (those without unpack hooks); allocates nothing (it runs on cache hits).
 void reset_lifted_saved_variables(const torch::dynamo::autograd::TensorArgs& args);

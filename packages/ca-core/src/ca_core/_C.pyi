@@ -186,6 +186,15 @@ def apply_node(
     saved_scalars: Sequence[int | float],
     validate_sizes: Sequence[int | None] | None,
 ) -> list[torch.Tensor | None]: ...
+def plan_node_run(
+    steps: Sequence[tuple[int, Sequence[int], Sequence[int], int, int, int, int]],
+    results: Sequence[int],
+) -> int: ...
+def apply_nodes(
+    plan_id: int,
+    tensors: Sequence[torch.Tensor | None],
+    others: list[Any],
+) -> list[torch.Tensor | None]: ...
 def validate_outputs(
     node_idx: int,
     outputs: Sequence[torch.Tensor | None],

@@ -3,7 +3,7 @@
 Each is a plain Python function so that an FX graph can call it and Dynamo can
 compile that graph. Three kinds, see [Note: Graph call kinds]:
 
-- ``allow_in_graph`` (``apply_node``, ``validate_outputs``): Dynamo keeps the
+- ``allow_in_graph`` (``apply_node``, ``apply_nodes``, ``validate_outputs``): Dynamo keeps the
   call and runs it on FakeTensors to learn its outputs; AOTAutograd traces
   through it down to ATen ops.
 - inlined (``accumulate``, the ``call_*_hook`` helpers,
@@ -60,6 +60,7 @@ __all__ = [
     "accumulate_grad_now",
     "accumulate_leaf",
     "apply_node",
+    "apply_nodes",
     "apply_with_saved_eager",
     "call_cpp_tensor_pre_hook",
     "call_function_backward",
@@ -118,6 +119,12 @@ def apply_node(
 ) -> Grads:
     """``apply_with_saved`` then ``validate_outputs`` on node ``node_idx``, in one call."""
     return ca_core.apply_node(node_idx, inputs, saved_tensors, apply_sizes, saved_scalars, validate_sizes)
+
+
+@torch._dynamo.allow_in_graph
+def apply_nodes(plan_id: int, tensors: Sequence[torch.Tensor | None], others: list[Any]) -> Grads:
+    """Consecutive ``apply_node`` calls in one; see [Note: Runs of nodes in one call] in ca_core."""
+    return ca_core.apply_nodes(plan_id, tensors, others)
 
 
 @torch._dynamo.disable

@@ -6,7 +6,7 @@ failure, never on a cache hit (typed as ``ca_core.runtime_protocol.EngineRuntime
 which mypy checks ``Runtime`` against):
 
 - ``capture(graph)``: build the FX graph of a walked backward and compile it
-  with ``compiler_fn``; return ``(compiled, leaf_outputs, leaf_hooks_only,
+  with ``compiler_fn`` (its runs of nodes fused, see _node_runs.py); return ``(compiled, leaf_outputs, leaf_hooks_only,
   free_early)`` -- the compiled callable, the walk index of each AccumulateGrad
   node whose grad the graph returns, per such node whether the graph
   accumulated it already (only its grad_fn post hooks are left to run), and
@@ -61,6 +61,7 @@ from ca_runtime._background import take_started
 from ca_runtime._capture import UnsupportedNode, build_graph_module
 from ca_runtime._graph_ops import call_user, raised_by_user_code
 from ca_runtime._log import EagerFallbackWarning, GraphBreakWarning, log, miss_log
+from ca_runtime._node_runs import fuse_node_runs
 from ca_runtime._report import records
 from ca_runtime._state import STATE
 from ca_runtime._torch_interop import (
@@ -100,6 +101,19 @@ def _describe(error: BaseException) -> str:
 
 
 CompilerFn = Callable[[torch.fx.GraphModule], Callable[..., Any]]
+
+
+def _compiled_form(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """What compiler_fn gets: ``gm`` with its runs of nodes fused (see _node_runs.py).
+
+    A fusion that fails (a bug of ours) leaves the graph as captured, which
+    computes the same.
+    """
+    try:
+        return fuse_node_runs(gm)
+    except Exception:  # noqa: BLE001 - the captured graph is as correct, only slower as Python
+        log.debug("runs of nodes left unfused", exc_info=True)
+        return gm
 
 
 # [Note: Dynamo's tracing cycles]
@@ -167,7 +181,7 @@ class Runtime:
         log.debug("captured backward of %d nodes:\n%s", len(graph.nodes), gm.code)
         start = time.perf_counter()
         try:
-            compiled = self.compiler_fn(gm)
+            compiled = self.compiler_fn(_compiled_form(gm))
         except Exception as e:  # noqa: BLE001 - any compiler failure is a fallback with a warning
             records.capture_failed(record, "compiler_fn", _describe(e))
             self._fallback("compiler_fn", _describe(e), record)
