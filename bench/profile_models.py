@@ -10,13 +10,19 @@ compiled autograd (same ``compiler_fn``, 1 CPU thread) and prints:
 - for ours, the breakdown of a cache hit: our walk, the compiled run and our
   finish (``ca_core`` timings), and inside the run Dynamo's guard check
   ("TorchDynamo Cache Lookup") and the compiled region's own Python;
+- the kernel floor of each workload: the time eager's backward alone spends
+  in the matmul and attention kernels that a compiled backward calls
+  unchanged (Inductor calls them as extern kernels, same shapes and
+  strides), against eager's whole backward, and the same kernels' time in
+  ours; no compiled backward that calls those kernels can be faster than
+  that fraction of eager (see ``kernel_floor``);
 - with ``--perf``, ``perf record`` of a loop of warm backwards per
   implementation, summarised by shared object (where the CPU time goes:
   libtorch's kernels, the Python interpreter, ca_core, libc's allocator).
 
 This is the profile evidence ``bench/README.md`` cites.
 
-    python bench/profile_models.py [--workloads mlp:inductor,chain1000:eager] [--rows 12] [--perf]
+    python bench/profile_models.py [--workloads mlp:inductor,chain1000:eager] [--rows 12] [--perf] [--floor-only]
 """
 
 from __future__ import annotations
@@ -31,10 +37,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import ca_core
 import torch
-from run import IMPLS, make_workload, time_backward
+from run import IMPLS, implementation, make_workload, time_backward
 
 DEFAULT = "mlp:inductor,transformer:inductor,gpt:inductor,chain1000:eager,chain1000:no-work"
 #: Profiler events that are ours to explain (the rest are kernels).
@@ -73,6 +80,83 @@ def profile(key: str, compiler_name: str, rows: int, repeats: int = 20) -> dict[
             prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=60)
         )
     return summary
+
+
+#: The kernels Inductor (and torch's compiled autograd) call as extern
+#: kernels, exactly as eager calls them: their time is the same either way.
+EXTERN_KERNELS = (
+    "aten::mm",
+    "aten::addmm",
+    "aten::bmm",
+    "aten::baddbmm",
+    "aten::_scaled_dot_product_flash_attention_for_cpu_backward",
+    "aten::_scaled_dot_product_efficient_attention_backward",
+    "aten::_scaled_dot_product_flash_attention_backward",
+    "aten::convolution_backward",
+)
+#: The profiler range a profiled backward runs in.
+BACKWARD_RANGE = "ca_bench.backward"
+
+
+def _in_backward(event: Any) -> bool:
+    """Whether ``event`` ran inside the profiled backward range."""
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name == BACKWARD_RANGE:
+            return True
+        parent = parent.cpu_parent
+    return False
+
+
+def _kernels_ms(work: Any, impl: str) -> float:
+    """ms that one profiled ``loss.backward()`` of ``work`` spends in EXTERN_KERNELS (its forward unprofiled)."""
+    loss = work.forward(0)
+    for p in work.params:
+        p.grad = None
+    with (
+        torch.profiler.profile() as prof,
+        implementation(impl, work.compiler),
+        torch.profiler.record_function(BACKWARD_RANGE),
+    ):
+        loss.backward()
+    return (
+        sum(e.self_cpu_time_total for e in prof.events() if e.name in EXTERN_KERNELS and _in_backward(e))
+        / 1e3
+    )
+
+
+def kernel_floor(key: str, compiler_name: str, rounds: int = 15) -> dict[str, Any]:
+    """The share of eager's backward spent in EXTERN_KERNELS: the lowest ours/eager that any compiled
+    backward calling those kernels can reach, and the same kernels' time in ours (equal if it calls the same ones).
+
+    Each round times one unprofiled backward per implementation and profiles
+    one more; medians over the rounds, so that the machine's drift hits
+    both. The profiler's cost per op inflates the many small ops, not these
+    long kernels, so their profiled time stands against the unprofiled whole.
+    """
+    work = make_workload(key, compiler_name)
+    impls = ("eager", "ours")
+    for impl in impls:
+        for _ in range(3):
+            time_backward(work, impl)
+    totals: dict[str, list[float]] = {impl: [] for impl in impls}
+    kernels: dict[str, list[float]] = {impl: [] for impl in impls}
+    for _ in range(rounds):
+        for impl in impls:
+            totals[impl].append(time_backward(work, impl) * 1e3)
+            kernels[impl].append(_kernels_ms(work, impl))
+    result: dict[str, Any] = {
+        impl: {"backward_ms": statistics.median(totals[impl]), "kernels_ms": statistics.median(kernels[impl])}
+        for impl in impls
+    }
+    eager, ours = result["eager"], result["ours"]
+    result["floor_ratio"] = eager["kernels_ms"] / eager["backward_ms"]
+    print(
+        f"===== kernel floor {key} ({compiler_name}): eager backward {eager['backward_ms']:.3f} ms, "
+        f"of which {eager['kernels_ms']:.3f} ms in matmul/attention kernels (floor {result['floor_ratio']:.2f}x "
+        f"eager); ours {ours['backward_ms']:.3f} ms, the same kernels {ours['kernels_ms']:.3f} ms"
+    )
+    return result
 
 
 def perf_loop(key: str, compiler_name: str, impl: str, iters: int) -> None:
@@ -128,6 +212,9 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=12)
     parser.add_argument("--perf", action="store_true", help="also perf record each implementation, by DSO")
     parser.add_argument("--perf-iters", type=int, default=50)
+    parser.add_argument(
+        "--floor-only", action="store_true", help="only each workload's kernel floor (see kernel_floor)"
+    )
     parser.add_argument("--json", help="write the summaries here")
     parser.add_argument("--perf-child", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -141,7 +228,11 @@ def main() -> None:
     results: dict[str, dict[str, object]] = {}
     for spec in args.workloads.split(","):
         key, _, compiler_name = spec.partition(":")
-        entry: dict[str, object] = {"profiler": profile(key, compiler_name or "inductor", args.rows)}
+        entry: dict[str, object] = {}
+        if not args.floor_only:
+            entry["profiler"] = profile(key, compiler_name or "inductor", args.rows)
+        if not key.startswith("chain"):
+            entry["kernel_floor"] = kernel_floor(key, compiler_name or "inductor")
         if args.perf:
             entry["perf_by_dso"] = {
                 impl: perf_by_dso(key, compiler_name or "inductor", impl, args.perf_iters) for impl in IMPLS

@@ -17,7 +17,7 @@ ours, and on ours with Inductor compiling in the background
 (``compile_in_background=True``, "ours-bg"; also a first-backward column
 of the inductor workloads).
 
-    python bench/run.py [--iters 30] [--out bench/results] [--quick] [--only training]
+    python bench/run.py [--iters 30] [--out bench/results] [--quick] [--only training|memory|per-node|...]
     python bench/run.py --first-backward gpt inductor ours   # one cold first backward, as JSON
 """
 
@@ -582,6 +582,56 @@ def report_overhead_markdown(r: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def per_node_fresh(rounds: int) -> dict[str, Any]:
+    """Per-node cost with backend eager in this process alone: chains of 10 and 1000 muls, eager and ours.
+
+    The full run measures the chains after the model workloads, in a process
+    whose heap and Python objects those left behind (ours' per-node cost
+    grows there, eager's barely; see bench/README.md). Here nothing else ran
+    first, and the four backwards alternate for ``rounds`` rounds; the slope
+    between 10 and 1000 nodes of the median, 25th percentile and minimum.
+    """
+    works = {n: make_workload(f"chain{n}", "eager") for n in (10, 1000)}
+    impls = ("eager", "ours")
+    for work in works.values():
+        work.nodes = _graph_nodes(work.forward(0))
+        for impl in impls:
+            for _ in range(4):
+                time_backward(work, impl)
+    times: dict[tuple[int, str], list[float]] = {(n, impl): [] for n in works for impl in impls}
+    for _ in range(rounds):
+        for n, work in works.items():
+            for impl in impls:
+                times[(n, impl)].append(time_backward(work, impl))
+    stats: dict[str, Callable[[list[float]], float]] = {
+        "median": statistics.median,
+        "p25": lambda t: statistics.quantiles(t, n=4)[0],
+        "min": min,
+    }
+    span = works[1000].nodes - works[10].nodes
+    out: dict[str, Any] = {"rounds": rounds, "captures": ca_runtime.stats()["captures"]}
+    for name, stat in stats.items():
+        slope = {impl: (stat(times[(1000, impl)]) - stat(times[(10, impl)])) / span * 1e6 for impl in impls}
+        out[name] = {**slope, "overhead": slope["ours"] - slope["eager"]}
+    return out
+
+
+def per_node_markdown(r: dict[str, Any]) -> str:
+    lines = [
+        (
+            f"Per-node cost, backend eager, chains of 10 and 1000 muls alone in a fresh process, {r['rounds']} "
+            "interleaved rounds (slope between 10 and 1000 nodes):"
+        ),
+        "",
+        "| statistic | eager µs/node | ours µs/node | ours overhead µs/node |",
+        "|---|---|---|---|",
+    ]
+    for name in ("median", "p25", "min"):
+        v = r[name]
+        lines.append(f"| {name} | {v['eager']:.2f} | {v['ours']:.2f} | {v['overhead']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
 def batch_sweep(compiler: Compiler, sizes: tuple[int, ...] = (4, 8, 16, 32, 8, 64)) -> dict[str, Any]:
     out: dict[str, Any] = {"workload": "batch sweep " + ",".join(map(str, sizes))}
     for impl in ("torch", "ours"):
@@ -710,9 +760,10 @@ def main() -> None:
     )
     parser.add_argument(
         "--only",
-        choices=("training", "report-overhead", "memory", "checkpoint"),
+        choices=("training", "report-overhead", "memory", "checkpoint", "per-node"),
         help="run one measurement alone: the compiled training step, the report's cost on cache hits, "
-        "the peak memory of a backward, or checkpointed regions recomputed in the graph or behind breaks",
+        "the peak memory of a backward, checkpointed regions recomputed in the graph or behind breaks, "
+        "or the per-node cost with backend eager in a fresh process (--iters 10x rounds)",
     )
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -737,6 +788,12 @@ def main() -> None:
         overhead = report_overhead(args.iters)
         (out / "report_overhead.json").write_text(json.dumps(overhead, indent=1))
         print(report_overhead_markdown(overhead))
+        return
+
+    if args.only == "per-node":
+        per_node_row = per_node_fresh(args.iters * 10)
+        (out / "per_node.json").write_text(json.dumps(per_node_row, indent=1))
+        print(per_node_markdown(per_node_row))
         return
 
     if args.only == "checkpoint":
