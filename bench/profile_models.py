@@ -41,7 +41,7 @@ from typing import Any
 
 import ca_core
 import torch
-from run import IMPLS, implementation, make_workload, time_backward
+from run import IMPLS, Workload, implementation, make_workload, time_backward
 
 DEFAULT = "mlp:inductor,transformer:inductor,gpt:inductor,chain1000:eager,chain1000:no-work"
 #: Profiler events that are ours to explain (the rest are kernels).
@@ -108,7 +108,7 @@ def _in_backward(event: Any) -> bool:
     return False
 
 
-def _kernels_ms(work: Any, impl: str) -> float:
+def _kernels_ms(work: Workload, impl: str) -> float:
     """ms that one profiled ``loss.backward()`` of ``work`` spends in EXTERN_KERNELS (its forward unprofiled)."""
     loss = work.forward(0)
     for p in work.params:
