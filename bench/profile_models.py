@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import ca_core
+import ca_runtime
 import torch
 from run import IMPLS, Workload, implementation, make_workload, time_backward
 
@@ -141,20 +142,25 @@ def kernel_floor(key: str, compiler_name: str, rounds: int = 15) -> dict[str, An
             time_backward(work, impl)
     totals: dict[str, list[float]] = {impl: [] for impl in impls}
     kernels: dict[str, list[float]] = {impl: [] for impl in impls}
+    before = ca_runtime.stats()
     for _ in range(rounds):
         for impl in impls:
             totals[impl].append(time_backward(work, impl) * 1e3)
             kernels[impl].append(_kernels_ms(work, impl))
+    after = ca_runtime.stats()
     result: dict[str, Any] = {
         impl: {"backward_ms": statistics.median(totals[impl]), "kernels_ms": statistics.median(kernels[impl])}
         for impl in impls
     }
+    # Ours must have run compiled: a silent fallback would profile eager twice.
+    result["ours"].update({k: after[k] - before[k] for k in ("cache_hits", "eager_fallbacks")})
     eager, ours = result["eager"], result["ours"]
     result["floor_ratio"] = eager["kernels_ms"] / eager["backward_ms"]
     print(
         f"===== kernel floor {key} ({compiler_name}): eager backward {eager['backward_ms']:.3f} ms, "
         f"of which {eager['kernels_ms']:.3f} ms in matmul/attention kernels (floor {result['floor_ratio']:.2f}x "
-        f"eager); ours {ours['backward_ms']:.3f} ms, the same kernels {ours['kernels_ms']:.3f} ms"
+        f"eager); ours {ours['backward_ms']:.3f} ms, the same kernels {ours['kernels_ms']:.3f} ms "
+        f"({ours['cache_hits']} cache hits, {ours['eager_fallbacks']} eager fallbacks)"
     )
     return result
 

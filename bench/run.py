@@ -582,6 +582,11 @@ def report_overhead_markdown(r: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def per_node_us(small_s: float, large_s: float, small_nodes: int, large_nodes: int) -> float:
+    """µs per node: the slope between two chain lengths' backward times (s)."""
+    return (large_s - small_s) / (large_nodes - small_nodes) * 1e6
+
+
 def per_node_fresh(rounds: int) -> dict[str, Any]:
     """Per-node cost with backend eager in this process alone: chains of 10 and 1000 muls, eager and ours.
 
@@ -608,10 +613,19 @@ def per_node_fresh(rounds: int) -> dict[str, Any]:
         "p25": lambda t: statistics.quantiles(t, n=4)[0],
         "min": min,
     }
-    span = works[1000].nodes - works[10].nodes
-    out: dict[str, Any] = {"rounds": rounds, "captures": ca_runtime.stats()["captures"]}
+    # Ours must have run compiled: a silent fallback would time eager twice.
+    counts = ca_runtime.stats()
+    out: dict[str, Any] = {
+        "rounds": rounds,
+        **{k: counts[k] for k in ("captures", "cache_hits", "eager_fallbacks")},
+    }
     for name, stat in stats.items():
-        slope = {impl: (stat(times[(1000, impl)]) - stat(times[(10, impl)])) / span * 1e6 for impl in impls}
+        slope = {
+            impl: per_node_us(
+                stat(times[(10, impl)]), stat(times[(1000, impl)]), works[10].nodes, works[1000].nodes
+            )
+            for impl in impls
+        }
         out[name] = {**slope, "overhead": slope["ours"] - slope["eager"]}
     return out
 
@@ -629,6 +643,10 @@ def per_node_markdown(r: dict[str, Any]) -> str:
     for name in ("median", "p25", "min"):
         v = r[name]
         lines.append(f"| {name} | {v['eager']:.2f} | {v['ours']:.2f} | {v['overhead']:.2f} |")
+    lines += [
+        "",
+        f"Ours: {r['captures']} captures, {r['cache_hits']} cache hits, {r['eager_fallbacks']} eager fallbacks.",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -840,7 +858,7 @@ def main() -> None:
         # estimate of what the code costs (noise only ever adds time).
         for stat in ("median_s", "min_s"):
             per_node[f"{name} ({stat[:-2]})"] = {
-                impl: (large[stat][impl] - small[stat][impl]) / (large["nodes"] - small["nodes"]) * 1e6
+                impl: per_node_us(small[stat][impl], large[stat][impl], small["nodes"], large["nodes"])
                 for impl in IMPLS
             }
     sweep = batch_sweep(backend("aot_eager"))
