@@ -115,6 +115,56 @@ struct DepthGuard {
   }
 };
 
+/*
+[Note: Dynamo's callback during a compiled backward]
+A backward called inside a torch.compile'd function (a compiled training step
+whose loss.backward() breaks Dynamo's graph) runs with Dynamo's eval-frame
+callback set on this thread, so Dynamo would intercept every Python frame our
+hook enters: it would trace ca_runtime's capture and run_first and the cache
+hit's graph call as user code. The compiled backward therefore runs with the
+callback cleared and puts the prior one back when it returns or throws. Our
+graph's own torch.compile sets its callback for its call as always, and the
+nodes that run eagerly behind graph breaks are Dynamo-disabled anyway.
+Without a callback (the usual case) this costs one Python call.
+*/
+class DynamoCallbackOff {
+ public:
+  DynamoCallbackOff() {
+    static PyObject* set_eval_frame = [] {
+      try {
+        nb::object fn =
+            nb::module_::import_("torch._C._dynamo.eval_frame").attr("set_eval_frame");
+        return fn.release().ptr(); // leaked: used until process exit
+      } catch (const nb::python_error&) {
+        return static_cast<PyObject*>(nullptr);
+      }
+    }();
+    set_eval_frame_ = set_eval_frame;
+    if (set_eval_frame_ != nullptr) {
+      prior_ = nb::steal(
+          check_py(PyObject_CallOneArg(set_eval_frame_, Py_None)));
+    }
+  }
+  ~DynamoCallbackOff() {
+    if (prior_.is_valid() && !prior_.is_none()) {
+      // Restored even while an exception is pending (a user hook's).
+      PyObject *type, *value, *traceback;
+      PyErr_Fetch(&type, &value, &traceback);
+      PyObject* ignored = PyObject_CallOneArg(set_eval_frame_, prior_.ptr());
+      Py_XDECREF(ignored);
+      PyErr_Restore(type, value, traceback);
+    }
+  }
+  DynamoCallbackOff(const DynamoCallbackOff&) = delete;
+  DynamoCallbackOff& operator=(const DynamoCallbackOff&) = delete;
+
+ private:
+  /// torch._C._dynamo.eval_frame.set_eval_frame, or null without Dynamo.
+  PyObject* set_eval_frame_ = nullptr;
+  /// The callback that was set when the backward began.
+  nb::object prior_;
+};
+
 /// Runs the whole backward on the eager engine; see [Note: Eager fallback].
 variable_list run_eager(
     const c10::intrusive_ptr<Node>& root,
@@ -734,6 +784,8 @@ variable_list compiled_backward_with_gil(
     return run_eager(root, graph_task);
   }
   DepthGuard depth;
+  // See [Note: Dynamo's callback during a compiled backward].
+  DynamoCallbackOff no_dynamo_callback;
   if (g_timings.enabled.load(std::memory_order_relaxed)) {
     ++g_timings.timed_backwards;
   }

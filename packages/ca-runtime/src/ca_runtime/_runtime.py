@@ -59,6 +59,7 @@ import torch
 from ca_runtime._aot import is_aot_backward
 from ca_runtime._background import take_started
 from ca_runtime._capture import UnsupportedNode, build_graph_module
+from ca_runtime._dynamo_direct import wrap_if_dynamo_module
 from ca_runtime._graph_ops import call_user, raised_by_user_code
 from ca_runtime._log import EagerFallbackWarning, GraphBreakWarning, log, miss_log
 from ca_runtime._node_runs import fuse_node_runs
@@ -180,8 +181,9 @@ class Runtime:
         self._log_miss(graph)
         log.debug("captured backward of %d nodes:\n%s", len(graph.nodes), gm.code)
         start = time.perf_counter()
+        form = _compiled_form(gm)
         try:
-            compiled = self.compiler_fn(_compiled_form(gm))
+            compiled = self.compiler_fn(form)
         except Exception as e:  # noqa: BLE001 - any compiler failure is a fallback with a warning
             records.capture_failed(record, "compiler_fn", _describe(e))
             self._fallback("compiler_fn", _describe(e), record)
@@ -191,6 +193,8 @@ class Runtime:
             records.capture_failed(record, "compiler_fn", reason)
             self._fallback("compiler_fn", reason, record)
             return None
+        # See [Note: Calling Dynamo's cached code directly] in _dynamo_direct.py.
+        compiled = wrap_if_dynamo_module(compiled, form)
         records.capture_compiled(record, time.perf_counter() - start)
         self._records.pending = record
         # See take_compiling(): a torch.compile'd region's real backward, run
