@@ -118,6 +118,9 @@ struct NodeState {
   /// packed_inputs order); call_unpack hands them to SwapSavedVariables.
   /// See [Note: Unpack hooks in the graph].
   const variable_list* unpacked = nullptr;
+  /// Its freed saved tensors were put back for a real run on this backward;
+  /// see [Note: Nodes that run for real keep their saved tensors].
+  bool put_back = false;
 };
 
 struct ShadowNode;
@@ -171,6 +174,12 @@ struct BackwardState {
   int64_t miss_node = -1;
   /// Why that key was new, in words; see [Note: Explained misses].
   std::string miss_reason;
+  /// A cache hit without retain_graph: a node run with its own saved values
+  /// releases them right after, as the eager engine does; see [Note: Nodes
+  /// that run for real keep their saved tensors].
+  bool release_after_apply = false;
+  /// Some node's freed saved tensors were put back (NodeState::put_back).
+  bool any_put_back = false;
 };
 
 /// A fresh ShadowNode::id.

@@ -482,9 +482,6 @@ fallbacks only follow a capture or a failed first run, where nothing was
 dropped. Enabled per entry after its first run.
 */
 void free_saved_early(BackwardState& state, const std::vector<uint32_t>& free_early) {
-  if (free_early.empty()) {
-    return;
-  }
   for (uint32_t idx : free_early) {
     NodeState& ns = state.nodes.at(idx);
     if (!ns.collected || ns.is_accumulate_grad) {
@@ -646,6 +643,8 @@ std::optional<variable_list> run_graph(BackwardRun& run, nb::object& result) {
   StepTimer timer(g_timings.run_ns);
   RunningHooksGuard running_hooks(run.args.hooks);
   if (!run.first_run) {
+    // See [Note: Nodes that run for real keep their saved tensors].
+    run.state->release_after_apply = !run.state->keep_graph;
     PyObject* outputs = PyObject_CallFunctionObjArgs(
         run.compiled.ptr(),
         run.args.tensors.ptr(),
@@ -727,6 +726,16 @@ variable_list finish(BackwardRun& run, nb::object result) {
   }
   run.args = GraphArgs();
   BackwardState& state = *run.state;
+  if (C10_UNLIKELY(state.any_put_back) && run.entry_alive()) {
+    // See [Note: Nodes that run for real keep their saved tensors].
+    auto& free_early = run.entry->free_early;
+    free_early.erase(
+        std::remove_if(
+            free_early.begin(),
+            free_early.end(),
+            [&](uint32_t idx) { return idx < state.nodes.size() && state.nodes[idx].put_back; }),
+        free_early.end());
+  }
   variable_list outputs;
   variable_list leaf_grads;
   {

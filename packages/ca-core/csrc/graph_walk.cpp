@@ -97,6 +97,8 @@ void BackwardState::reset() {
   dynamic_dims.clear();
   miss_node = -1;
   miss_reason.clear();
+  release_after_apply = false;
+  any_put_back = false;
 }
 
 namespace {

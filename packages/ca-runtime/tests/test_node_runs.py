@@ -89,8 +89,10 @@ def test_chain_is_one_call_and_matches_eager(python_compiler: str | None) -> Non
     # ... while last_graph() keeps one readable call per node.
     last = ca_runtime.last_graph()
     assert last is not None and _targets(last).count(ops.apply_node) >= 61
-    # On the two hits every traced node ran eagerly with its freed saved tensors put back.
-    assert ca_core.counters()["nodes_put_back"] >= 2 * 60
+    # On the first hit every traced node ran eagerly with its freed saved
+    # tensors put back; on the second they kept them (see [Note: Nodes that
+    # run for real keep their saved tensors] in ca_core).
+    assert 60 <= ca_core.counters()["nodes_put_back"] <= 62
 
 
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
@@ -151,8 +153,13 @@ def test_backward_twice_after_put_back_raises_eagers_error(python_compiler: str 
         twice()  # the capture
         ca_core.reset_counters()
         ours = twice()  # a hit: the nodes' saved tensors were freed, put back and freed again
-        assert ca_core.counters()["nodes_put_back"] > 0, ca_core.counters()
-    assert ours == eager_error
+        put_back = ca_core.counters()["nodes_put_back"]
+        assert put_back > 0, ca_core.counters()
+        # Later hits: the nodes keep their saved tensors and release them as they run.
+        ours_later = twice()
+        assert ca_core.counters()["nodes_put_back"] == put_back
+        assert ca_core.counters()["cache_hits"] == 2, ca_core.counters()  # one per twice()
+    assert ours == ours_later == eager_error
 
 
 def test_plan_node_run_rejects_reading_a_later_register() -> None:
