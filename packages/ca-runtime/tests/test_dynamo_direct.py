@@ -296,3 +296,15 @@ def test_a_backward_inside_a_compiled_step(backend: str, recwarn: pytest.Warning
     # Eager's step: the graph before backward() and the resume function after
     # it; ours adds its one backward graph.
     assert graphs_of(True) == graphs_of(False) + 1
+
+
+def test_a_profiled_direct_hit_keeps_dynamos_region(backend: str) -> None:
+    model = make_mlp()
+    step = _mlp_step(model)
+    with ca_runtime.enable(backend):
+        step(0)
+        start = direct_calls()
+        with torch.profiler.profile() as prof:
+            step(1)
+    assert direct_calls() - start == 1
+    assert any(e.name.startswith("Torch-Compiled Region: ") for e in prof.events())

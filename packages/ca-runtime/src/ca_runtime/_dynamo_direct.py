@@ -41,11 +41,12 @@ computation as Dynamo's:
   per-call enter hook but those that matter only to a compile
   (``_COMPILE_ONLY_HOOKS``).
 
-Anything else calls the ``OptimizedModule`` as before. The one difference left
-is cosmetic: ``torch.profiler`` traces lack the "Torch-Compiled Region" range
-Dynamo adds around a hit. Differential tests run every ``torch.compile``
-backend through this path; tests/test_dynamo_direct.py checks each condition
-above sends the call the normal way.
+Anything else calls the ``OptimizedModule`` as before. While ``torch.profiler``
+records, the direct call is wrapped in the "Torch-Compiled Region: <compile
+id>" range Dynamo puts around a hit; its "TorchDynamo Cache Lookup" range is
+not there (the lookup is ours). Differential tests run every
+``torch.compile`` backend through this path; tests/test_dynamo_direct.py
+checks each condition above sends the call the normal way.
 """
 
 from __future__ import annotations
@@ -179,6 +180,11 @@ class DirectDynamoCall:
                 function = self._function_for(entry.code) if passed else None
                 if function is not None:
                     _COUNTS.direct_calls += 1
+                    if torch.autograd.profiler._is_profiler_enabled:
+                        with torch.autograd.profiler.record_function(
+                            f"Torch-Compiled Region: {entry.compile_id}"
+                        ):
+                            return function(self.gm, inputs, sizes, scalars, hooks)
                     return function(self.gm, inputs, sizes, scalars, hooks)
         outputs = self.compiled(inputs, sizes, scalars, hooks)
         if self.backend is None:
