@@ -131,3 +131,15 @@ def test_8_checkpoint_frames_record_each_saved_tensors_metadata() -> None:
     )
     holder = checkpoint._checkpoint_hook(bare).pack_hook(x)
     assert _torch_interop.checkpoint_saved_index(bare, holder) is None
+
+
+def test_inductor_config_tells_a_users_setting_from_the_default() -> None:
+    """_is_default, which [Note: Inductor options for backward graphs] reads."""
+    config = torch._inductor.config
+    assert config._is_default("reorder_for_locality")
+    # What `config.reorder_for_locality = True` does, revertibly
+    # (config.patch would leave it set when it exits).
+    revert = config._make_closure_patcher(reorder_for_locality=True)()
+    assert config.reorder_for_locality is True and not config._is_default("reorder_for_locality")
+    revert()
+    assert config._is_default("reorder_for_locality")
