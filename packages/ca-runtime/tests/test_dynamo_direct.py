@@ -16,18 +16,17 @@ import pytest
 import torch
 from ca_runtime._dynamo_direct import DirectDynamoCall, _runs_one_graph, direct_calls, wrap_if_dynamo_module
 from ca_testkit import compare
-from ca_testkit.scenarios import batch, make_mlp
+from ca_testkit.scenarios import batch, make_mlp, mlp_step
 from torch._dynamo.utils import counters
 
 
 def _mlp_step(model: torch.nn.Module, before: Callable[[int], None] = lambda i: None) -> Callable[[int], Any]:
+    """``mlp_step`` after ``before(i)``."""
+    train = mlp_step(model)
+
     def step(i: int) -> torch.Tensor:
         before(i)
-        x, y = batch(i)
-        model.zero_grad(set_to_none=True)
-        loss = torch.nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        return loss.detach()
+        return train(i).detach()
 
     return step
 

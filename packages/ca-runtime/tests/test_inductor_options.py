@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from ca_runtime._runtime import BACKWARD_INDUCTOR_OPTIONS
 from ca_testkit import compare
-from ca_testkit.scenarios import batch, make_mlp
+from ca_testkit.scenarios import make_mlp, mlp_step
 
 
 def _recording_compiler(seen: list[dict[str, Any]]) -> Any:
@@ -20,21 +20,10 @@ def _recording_compiler(seen: list[dict[str, Any]]) -> Any:
     return lambda gm: torch.compile(gm, backend=backend)
 
 
-def _step(model: torch.nn.Module) -> Any:
-    def step(i: int) -> torch.Tensor:
-        x, y = batch(i)
-        model.zero_grad(set_to_none=True)
-        loss = torch.nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        return loss.detach()
-
-    return step
-
-
 def test_a_backward_graph_compiles_with_the_options() -> None:
     model = make_mlp()
     seen: list[dict[str, Any]] = []
-    result = compare(_step(model), _recording_compiler(seen), tensors=model, steps=3)
+    result = compare(mlp_step(model), _recording_compiler(seen), tensors=model, steps=3)
     result.assert_ok()
     assert result.stats["captures"] == 1 and result.stats["cache_hits"] == 2
     assert seen == [BACKWARD_INDUCTOR_OPTIONS]
@@ -43,7 +32,7 @@ def test_a_backward_graph_compiles_with_the_options() -> None:
     assert torch._inductor.config.reorder_for_locality is True
     assert torch._inductor.config._is_default("reorder_for_locality")
     other = make_mlp(sizes=(8, 12, 4))
-    compare(_step(other), _recording_compiler(seen), tensors=other, steps=1).assert_ok()
+    compare(mlp_step(other), _recording_compiler(seen), tensors=other, steps=1).assert_ok()
     assert seen == [BACKWARD_INDUCTOR_OPTIONS, BACKWARD_INDUCTOR_OPTIONS]
 
 
@@ -54,7 +43,7 @@ def test_an_option_the_user_set_is_kept() -> None:
     # revertibly (config.patch leaves it set when it exits).
     revert = torch._inductor.config._make_closure_patcher(reorder_for_locality=True)()
     try:
-        compare(_step(model), _recording_compiler(seen), tensors=model, steps=2).assert_ok()
+        compare(mlp_step(model), _recording_compiler(seen), tensors=model, steps=2).assert_ok()
     finally:
         revert()
     assert seen == [{"reorder_for_locality": True}]
