@@ -118,9 +118,9 @@ struct NodeState {
   /// packed_inputs order); call_unpack hands them to SwapSavedVariables.
   /// See [Note: Unpack hooks in the graph].
   const variable_list* unpacked = nullptr;
-  /// Its freed saved tensors were put back for a real run on this backward;
-  /// see [Note: Nodes that run for real keep their saved tensors].
-  bool put_back = false;
+  /// It ran for real on this backward with its own saved values (or freed
+  /// ones put back); see [Note: Nodes that run for real keep their saved tensors].
+  bool ran_for_real = false;
 };
 
 struct ShadowNode;
@@ -178,8 +178,6 @@ struct BackwardState {
   /// releases them right after, as the eager engine does; see [Note: Nodes
   /// that run for real keep their saved tensors].
   bool release_after_apply = false;
-  /// Some node's freed saved tensors were put back (NodeState::put_back).
-  bool any_put_back = false;
 };
 
 /// A fresh ShadowNode::id.
@@ -228,6 +226,10 @@ struct ShadowNode {
   /// Walk index of each node whose saved tensors are dropped before the
   /// graph runs on a hit; see [Note: Saved tensors freed early].
   std::vector<uint32_t> free_early;
+  /// Per free_early node: it ran for real on the last hit, so the next hit
+  /// keeps its saved tensors; see [Note: Nodes that run for real keep their
+  /// saved tensors].
+  std::vector<bool> ran_for_real;
 
   /// What the node whose key leads here looked like; see [Note: Explained misses].
   std::unique_ptr<NodeSummary> summary;

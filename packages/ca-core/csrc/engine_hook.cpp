@@ -481,9 +481,15 @@ tensors. It can no longer run eagerly, which a hit never asks of it: eager
 fallbacks only follow a capture or a failed first run, where nothing was
 dropped. Enabled per entry after its first run.
 */
-void free_saved_early(BackwardState& state, const std::vector<uint32_t>& free_early) {
-  for (uint32_t idx : free_early) {
-    NodeState& ns = state.nodes.at(idx);
+void free_saved_early(BackwardState& state, const ShadowNode& entry) {
+  // See [Note: Nodes that run for real keep their saved tensors].
+  const bool may_keep = entry.ran_for_real.size() == entry.free_early.size() &&
+      !(state.leaf_hooks_in_graph && !state.create_graph);
+  for (size_t i = 0; i < entry.free_early.size(); ++i) {
+    if (may_keep && entry.ran_for_real[i]) {
+      continue;
+    }
+    NodeState& ns = state.nodes.at(entry.free_early[i]);
     if (!ns.collected || ns.is_accumulate_grad) {
       continue;
     }
@@ -538,7 +544,7 @@ std::optional<variable_list> lookup(BackwardRun& run) {
   run.state->dynamic_sizes = entry.dynamic_sizes;
   run.args.sizes = dynamic_size_args(run.state->dynamic_sizes, run.args.size_values);
   if (!run.first_run && !run.state->keep_graph) {
-    free_saved_early(*run.state, entry.free_early);
+    free_saved_early(*run.state, entry);
   }
   return std::nullopt;
 }
@@ -562,6 +568,7 @@ bool capture(BackwardRun& run) {
     entry.leaf_outputs = run.leaf_outputs;
     entry.leaf_hooks_only = run.leaf_hooks_only;
     entry.free_early = std::move(captured->free_early);
+    entry.ran_for_real.clear();
     entry.expected_sizes = run.args.size_values;
     entry.dynamic_sizes = state.dynamic_sizes;
     entry.tensor_shapes = tensor_shapes(state);
@@ -726,15 +733,14 @@ variable_list finish(BackwardRun& run, nb::object result) {
   }
   run.args = GraphArgs();
   BackwardState& state = *run.state;
-  if (C10_UNLIKELY(state.any_put_back) && run.entry_alive()) {
+  if (state.release_after_apply && run.entry_alive()) {
     // See [Note: Nodes that run for real keep their saved tensors].
-    auto& free_early = run.entry->free_early;
-    free_early.erase(
-        std::remove_if(
-            free_early.begin(),
-            free_early.end(),
-            [&](uint32_t idx) { return idx < state.nodes.size() && state.nodes[idx].put_back; }),
-        free_early.end());
+    ShadowNode& entry = *run.entry;
+    entry.ran_for_real.resize(entry.free_early.size());
+    for (size_t i = 0; i < entry.free_early.size(); ++i) {
+      const uint32_t idx = entry.free_early[i];
+      entry.ran_for_real[i] = idx < state.nodes.size() && state.nodes[idx].ran_for_real;
+    }
   }
   variable_list outputs;
   variable_list leaf_grads;

@@ -98,7 +98,6 @@ void BackwardState::reset() {
   miss_node = -1;
   miss_reason.clear();
   release_after_apply = false;
-  any_put_back = false;
 }
 
 namespace {

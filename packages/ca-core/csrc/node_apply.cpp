@@ -406,18 +406,26 @@ A node that a cache hit runs for real (the graph runs as Python: Dynamo's
 eager backend, compiler_fn returning the graph) but whose saved tensors were
 freed early would have them put back on every hit, a SavedVariable built per
 tensor: on a chain of muls that is 0.4 us of the 1-2 us a node costs. So
-when a hit puts a node's tensors back (NodeState::put_back), finish() takes
-the node off its entry's free_early list: from the next hit on, the node
-keeps its saved tensors, is handed exactly those, and runs as it is (the
-first case of [Note: Eager fast path]). Without retain_graph it then
-releases them right after it ran, as the eager engine does
-(release_after_real_run), so memory is freed as early as before: a hit has
-no eager rerun that could need them (see [Note: Saved tensors freed early]).
-Nodes the graph traces never run for real and stay freed early.
+each hit records which nodes ran for real (NodeState::ran_for_real, here and
+on the put-back path), finish() copies that onto the entry
+(ShadowNode::ran_for_real, per free_early node), and the next hit leaves
+those nodes' saved tensors in place: the node is handed exactly its own
+values and runs as it is (the first case of [Note: Eager fast path]). The
+record is redone on every hit, so a graph that runs a node for real once
+(under torch.compiler.set_stance("force_eager"), say) and traces it again
+afterwards holds that node's tensors to the end of one backward, then frees
+them early again. Not where lifting detaches the graph's tensors (leaf
+hooks in the graph, see [Note: Leaves accumulated in the graph]): the node
+would not be handed its own tensors, so it stays freed early.
+Without retain_graph a node run as it is releases its saved values right
+after it ran, as the eager engine does (release_after_real_run), unless it
+has grad_fn post hooks, which eager runs before it releases and which may
+read them (`grad_fn._saved_self`); then finish() releases them. A hit has no
+eager rerun that could need them (see [Note: Saved tensors freed early]).
 */
 void release_after_real_run(NodeState& ns) {
   BackwardState* state = active_backward();
-  if (state == nullptr || !state->release_after_apply) {
+  if (state == nullptr || !state->release_after_apply || !ns.call.node->post_hooks().empty()) {
     return;
   }
   ns.call.node->release_variables();
@@ -438,6 +446,7 @@ variable_list apply_node_values(
   switch (fast_path(ns, grads, tensors, saved_sizes, saved_scalars)) {
     case FastPath::kOwn: {
       // See [Note: Eager fast path].
+      ns.ran_for_real = true;
       variable_list outputs = (*ns.call.node)(std::move(grads));
       release_after_real_run(ns);
       return outputs;
@@ -446,10 +455,7 @@ variable_list apply_node_values(
       PutBackSavedTensors put_back(*ns.collected, tensors);
       if (put_back.complete()) {
         count_node_put_back();
-        ns.put_back = true;
-        if (BackwardState* state = active_backward()) {
-          state->any_put_back = true;
-        }
+        ns.ran_for_real = true;
         return (*ns.call.node)(std::move(grads));
       }
       break;

@@ -46,6 +46,18 @@ def test_cache_hit_peak_memory_stays_close_to_eagers() -> None:
 
 
 @_LINUX_RSS
+def test_saved_tensors_are_freed_early_again_after_a_hit_that_ran_the_nodes() -> None:
+    """A hit under set_stance("force_eager") runs the graph's nodes for real; two hits later they are freed early again.
+
+    See [Note: Nodes that run for real keep their saved tensors] in ca_core.
+    """
+    peaks, stats = _peaks("aot_eager", "stance")
+    assert stats["captures"] == 1 and stats["cache_hits"] == 4 and stats["eager_fallbacks"] == 0, stats
+    mib = 2**20
+    assert peaks["ca"] <= peaks["eager"] + 6 * mib, peaks
+
+
+@_LINUX_RSS
 @pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.inductor)])
 def test_checkpointed_regions_are_recomputed_one_at_a_time(backend: str) -> None:
     """Each region's recompute runs where eager's does, not all at the graph's start (Inductor reorders freely)."""

@@ -175,3 +175,30 @@ def test_apply_nodes_outside_a_backward_is_a_clear_error() -> None:
         ca_core.apply_nodes(plan, [torch.ones(1)], [])
     with pytest.raises(ValueError, match="no plan"):
         ca_core.apply_nodes(plan + 1000, [torch.ones(1)], [])
+
+
+@pytest.mark.parametrize("python_compiler", [None, "eager", "aot_eager"], ids=["as-is", "eager", "aot_eager"])
+def test_a_post_hook_reads_saved_tensors_of_its_node(python_compiler: str | None) -> None:
+    """Eager runs grad_fn hooks while the node still holds its saved tensors; so do hits.
+
+    The node is not freed early (``Capture.free_early``), and where it runs
+    for real it releases them only after its post hooks (see [Note: Nodes
+    that run for real keep their saved tensors] in ca_core).
+    """
+    x = torch.randn(6, requires_grad=True)
+    w = torch.randn(6)
+    seen: list[float] = []
+
+    def step(i: int) -> list[float]:
+        seen.clear()
+        x.grad = None
+        y = x * w
+        fn = y.grad_fn
+        fn.register_hook(lambda grad_inputs, grad_outputs: seen.append(float(fn._saved_other.sum())))
+        (y.sin() * (i + 1)).sum().backward()
+        return list(seen)
+
+    compiler_fn, _ = _recording(python_compiler)
+    result = ca_testkit.compare(step, compiler_fn, tensors=[x], steps=4)
+    result.assert_ok()
+    assert result.stats["captures"] == 1 and result.stats["cache_hits"] == 3, result.stats

@@ -95,14 +95,22 @@ class Capture:
     #: How each node that runs (not AccumulateGrad) was taken, by walk index:
     #: TRACE, FUNCTION, AOT or BREAK (a probe or a failed AOT copy resolved).
     handlings: dict[int, Handling] = field(default_factory=dict)
+    #: Walk index of each node with grad_fn pre or post hooks.
+    hooked: frozenset[int] = frozenset()
 
     def free_early(self) -> list[int]:
         """Nodes whose saved tensors ca_core may drop before the graph runs on a hit.
 
         Those the graph traces or copies (TRACE, AOT): it never runs them
-        for real; see [Note: Saved tensors freed early] in ca_core.
+        for real; see [Note: Saved tensors freed early] in ca_core. Not a node
+        with grad_fn hooks: eager runs them while the node still holds its
+        saved tensors, and a hook may read them (``grad_fn._saved_self``).
         """
-        return sorted(i for i, h in self.handlings.items() if h in (Handling.TRACE, Handling.AOT))
+        return sorted(
+            i
+            for i, h in self.handlings.items()
+            if h in (Handling.TRACE, Handling.AOT) and i not in self.hooked
+        )
 
 
 #: Calls that run user code or mutate state: kept even when their result is unused.
@@ -332,7 +340,10 @@ class _GraphBuilder:
         self.fx.eliminate_dead_code(is_impure_node=_is_impure)
         graph_module = torch.fx.GraphModule(self.root, self.fx, "CompiledBackward")
         handlings = {index: handling for index, (handling, _) in self._handlings.items()}
-        return Capture(graph_module, self.leaf_outputs, self.leaf_hooks_only, self.graph_breaks, handlings)
+        hooked = frozenset(n.index for n in self.nodes if n.num_grad_fn_pre_hooks or n.num_grad_fn_post_hooks)
+        return Capture(
+            graph_module, self.leaf_outputs, self.leaf_hooks_only, self.graph_breaks, handlings, hooked
+        )
 
     def _visit(self, node: ca_core.NodeInfo) -> None:
         buffer = self._buffers.pop(node.index, None) or [None] * node.num_inputs

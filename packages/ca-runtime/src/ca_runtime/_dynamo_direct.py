@@ -26,8 +26,9 @@ computation as Dynamo's:
   recompile that ran a hook eagerly behind a Dynamo graph break leaves the
   fully traced entry valid). Either is correct: passing its guards is what
   makes an entry valid for the frame;
-- the entry was compiled by this ``OptimizedModule``'s backend (the backend
-  Dynamo stored on the first entry it made, compared by identity);
+- the entry was compiled by this ``OptimizedModule``'s backend (the one
+  Dynamo's lookup matches, ``innermost_backend`` of its callback, compared by
+  identity: an entry a forced backend or stance compiled is not taken);
 - the transformed code calls nothing but its one compiled graph and Dynamo's
   two bytecode-profiling helpers (checked once per code object by
   ``_runs_one_graph``): no resume function after a Dynamo graph break, no
@@ -36,7 +37,9 @@ computation as Dynamo's:
 - nothing would make Dynamo's wrappers behave differently on this call: the
   compile stance is ``"default"`` with no forced backend, no eval-frame
   callback is active on this thread (a backward called inside a compiled
-  region), no global ``nn.Module`` hook is registered, and neither module has
+  region), nothing traces (``torch.jit.trace``, FX symbolic tracing, a
+  Dynamo/export tracing context: ``compile_wrapper`` runs the plain code
+  then), no global ``nn.Module`` hook is registered, and neither module has
   hooks of its own (checked once: both are ours), and Dynamo's context has no
   per-call enter hook but those that matter only to a compile
   (``_COMPILE_ONLY_HOOKS``).
@@ -58,6 +61,8 @@ from typing import Any
 import torch
 from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list, get_eval_frame_callback
 from torch._dynamo import eval_frame
+from torch._dynamo.mutation_guard import GenerationTracker
+from torch.fx._symbolic_trace import is_fx_symbolic_tracing
 from torch.nn.modules.module import _has_any_global_hook
 
 __all__ = ["DirectDynamoCall", "direct_calls", "wrap_if_dynamo_module"]
@@ -78,6 +83,11 @@ _PURE_OPCODES = frozenset(
 _CALL_OPCODES = frozenset({"CALL", "CALL_FUNCTION", "CALL_METHOD", "CALL_FUNCTION_KW"})
 #: The helpers around the graph call that Dynamo's bytecode may load.
 _PROFILING_HELPERS = frozenset({"record_pregraph_bytecode_enter", "record_pregraph_bytecode_exit"})
+
+
+#: Transformed codes remembered per graph; Dynamo recompiles a frame at most
+#: ``recompile_limit`` (8) times.
+_MAX_CODES = 16
 
 
 class _Counts:
@@ -129,7 +139,7 @@ class DirectDynamoCall:
     See [Note: Calling Dynamo's cached code directly].
     """
 
-    __slots__ = ("__weakref__", "_code", "_function", "_functions_of", "backend", "compiled", "gm")
+    __slots__ = ("__weakref__", "_code", "_functions", "_globals", "backend", "compiled", "gm")
 
     def __init__(self, compiled: Any, gm: torch.fx.GraphModule) -> None:
         #: The OptimizedModule: every call that the direct path does not take.
@@ -138,30 +148,35 @@ class DirectDynamoCall:
         self.gm = gm
         #: The code object Dynamo keeps its cache entries on.
         self._code = type(gm).forward.__code__
-        #: The backend Dynamo stores on the entries it compiles for ``compiled``:
-        #: learnt from the first entry, None until then.
-        self.backend: Any = None
-        #: The last transformed code seen and its function (None: not direct-callable).
-        self._functions_of: tuple[types.CodeType | None, types.FunctionType | None] = (None, None)
-        self._function = type(gm).forward
+        #: The globals its frame runs with, where Dynamo put the compiled graphs.
+        self._globals = type(gm).forward.__globals__
+        #: The backend Dynamo stores on the entries ``compiled`` makes (as
+        #: Dynamo's lookup derives it from the callback).
+        self.backend = eval_frame.innermost_backend(compiled.dynamo_ctx.callback)
+        #: Per transformed code seen: its function, or None if not direct-callable.
+        self._functions: dict[types.CodeType, types.FunctionType | None] = {}
 
     def _function_for(self, code: types.CodeType) -> types.FunctionType | None:
-        seen, function = self._functions_of
-        if seen is not code:
-            function = None
-            if _runs_one_graph(code):
-                function = types.FunctionType(code, self._function.__globals__, self._function.__name__)
-            self._functions_of = (code, function)
+        try:
+            return self._functions[code]
+        except KeyError:
+            pass
+        if len(self._functions) >= _MAX_CODES:
+            self._functions.clear()  # recompiled more than Dynamo's own limit: start over
+        function = types.FunctionType(code, self._globals, "forward") if _runs_one_graph(code) else None
+        self._functions[code] = function
         return function
 
     def __call__(self, inputs: list[Any], sizes: list[Any], scalars: list[Any], hooks: list[Any]) -> Any:
         stance = eval_frame._stance
         if (
-            self.backend is not None
-            and stance.stance == "default"
+            stance.stance == "default"
             and stance.backend is None
             and get_eval_frame_callback() is None
             and not _has_any_global_hook()
+            and not torch._C._is_tracing()
+            and not is_fx_symbolic_tracing()
+            and torch._guards.TracingContext.try_get() is None
         ):
             frame_locals = {
                 "self": self.gm,
@@ -171,27 +186,31 @@ class DirectDynamoCall:
                 "hooks": hooks,
             }
             for entry in _debug_get_cache_entry_list(self._code):
-                if entry.backend is not self.backend:
+                # Read at once: the entry is Dynamo's C++ object, which a
+                # reset on another thread could free.
+                backend, guards, code, compile_id = (
+                    entry.backend,
+                    entry.guard_manager,
+                    entry.code,
+                    entry.compile_id,
+                )
+                if backend is not self.backend:
                     continue
                 try:
-                    passed = entry.guard_manager.check(frame_locals)
+                    passed = guards.check(frame_locals)
                 except Exception:  # noqa: BLE001 - Dynamo's own call reports a guard error
                     break
-                function = self._function_for(entry.code) if passed else None
+                function = self._function_for(code) if passed else None
                 if function is not None:
                     _COUNTS.direct_calls += 1
+                    # What Dynamo's per-call enter hook does besides its
+                    # one-time patch; see _COMPILE_ONLY_HOOKS.
+                    GenerationTracker.generation += 1
                     if torch.autograd.profiler._is_profiler_enabled:
-                        with torch.autograd.profiler.record_function(
-                            f"Torch-Compiled Region: {entry.compile_id}"
-                        ):
+                        with torch.autograd.profiler.record_function(f"Torch-Compiled Region: {compile_id}"):
                             return function(self.gm, inputs, sizes, scalars, hooks)
                     return function(self.gm, inputs, sizes, scalars, hooks)
-        outputs = self.compiled(inputs, sizes, scalars, hooks)
-        if self.backend is None:
-            entries = _debug_get_cache_entry_list(self._code)
-            if len(entries) == 1:
-                self.backend = entries[0].backend
-        return outputs
+        return self.compiled(inputs, sizes, scalars, hooks)
 
 
 def _has_hooks(module: torch.nn.Module) -> bool:
@@ -205,10 +224,12 @@ def _has_hooks(module: torch.nn.Module) -> bool:
     )
 
 
-#: Dynamo's per-call enter hooks that matter only to a compile, which the
-#: direct path never starts: ``torch.compile``'s one-time patch of
-#: ``nn.Module.__init__`` (``call_on_enter``, run by the first, normal call)
-#: and the config patch of ``dynamic=``/``shapes_spec`` (``change``).
+#: Dynamo's per-call enter hooks that the direct path may skip:
+#: ``torch.compile``'s ``call_on_enter`` (a one-time patch of
+#: ``nn.Module.__init__``, made by the first, normal call, and a bump of
+#: ``GenerationTracker.generation``, which the direct call makes too: CUDA
+#: graph trees read it to tell a new invocation) and the config patch of
+#: ``dynamic=``/``shapes_spec`` (``change``), which matters only to a compile.
 _COMPILE_ONLY_HOOKS = {
     ("torch._dynamo.eval_frame", "call_on_enter"),
     ("torch.utils._config_module", "change"),

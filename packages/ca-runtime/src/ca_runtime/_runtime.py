@@ -150,8 +150,9 @@ def _collecting_tracing_cycles() -> Iterator[None]:
 # graph have the input grad first). With it off, the MLP of bench/run.py ran
 # 3-5 % faster in each of six interleaved runs (1.07 -> 1.02x eager with the
 # rounds' order rotated), and the transformer and the GPT-style decoder
-# within +-1 % (bench/README.md, 2026-12-01). It only orders the same
-# kernels, so results are bit-identical. The options in
+# within +-1 % (bench/README.md, 2026-12-01). It changes the order Inductor
+# schedules in, not what is computed (results can differ in rounding where
+# the order changes a fusion, as with any Inductor setting). The options in
 # BACKWARD_INDUCTOR_OPTIONS are set around a captured graph's first run, where
 # a torch.compile'd graph compiles (a background compile copies that context),
 # for whatever compiler_fn the user gave, except an option the user set
@@ -169,7 +170,7 @@ def _backward_inductor_options() -> Iterator[None]:
     Through ``_make_closure_patcher``, whose revert leaves an option unset
     again (``config.patch`` would restore it as if the user had set it).
     """
-    config = torch._inductor.config
+    config: Any = torch._inductor.config  # a config module: its methods are added at import
     is_default = getattr(config, "_is_default", None)
     unset = {
         name: value for name, value in BACKWARD_INDUCTOR_OPTIONS.items() if is_default and is_default(name)

@@ -3,8 +3,10 @@
 Run with MALLOC_MMAP_THRESHOLD_=65536 (every tensor buffer its own mapping,
 freed to the system at once) so that RSS follows live tensor bytes; see
 bench/run.py's backward_peak_bytes. Usage: backward_peak_memory.py BACKEND
-[checkpoint]; with ``checkpoint`` each pair of layers is a non-reentrant
-checkpointed region.
+[checkpoint | stance]; with ``checkpoint`` each pair of layers is a
+non-reentrant checkpointed region; with ``stance`` one earlier hit runs under
+``torch.compiler.set_stance("force_eager")`` (the graph as Python, its nodes
+run for real; see [Note: Nodes that run for real keep their saved tensors]).
 """
 
 from __future__ import annotations
@@ -50,13 +52,18 @@ def main() -> None:
 
         model.forward = forward  # type: ignore[method-assign]
     contexts = {"eager": contextlib.nullcontext, "ca": lambda: ca_runtime.enable(sys.argv[1])}
+    stance_step = 2 if sys.argv[2:] == ["stance"] else -1
+    steps = 5 if stance_step >= 0 else 4
     peaks = {}
     for name, make in contexts.items():
-        for step in range(4):
+        for step in range(steps):
             model.zero_grad(set_to_none=True)
             loss = model(x).square().mean()
-            with make():
-                if step < 3:
+            stance = (
+                torch.compiler.set_stance("force_eager") if step == stance_step else contextlib.nullcontext()
+            )
+            with make(), stance:
+                if step < steps - 1:
                     loss.backward()
                 else:
                     peaks[name] = peak_above_start(loss)
