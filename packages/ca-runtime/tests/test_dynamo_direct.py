@@ -152,6 +152,7 @@ def test_a_dynamo_graph_break_is_not_direct(backend: str, cpp_ext: types.ModuleT
     result = compare(step, backend, tensors=[x, w], steps=3)
     result.assert_ok()
     assert result.stats["graph_breaks"] > 0 and result.stats["cache_hits"] == 2
+    assert result.stats["captures"] == 1 and result.stats["eager_fallbacks"] == 0, result.stats
     assert direct_calls() == start
 
 
@@ -195,7 +196,8 @@ def test_a_user_error_on_a_direct_hit_is_eagers(backend: str) -> None:
     ours = run(True)
     assert ours == eager and eager[2] == "error hook says no"
     # Steps 0 and 1 capture (x.grad is None, then defined); 2 and 3 are hits.
-    assert ca_runtime.stats()["captures"] == 2 and ca_runtime.stats()["cache_hits"] == 2
+    stats = ca_runtime.stats()
+    assert stats["captures"] == 2 and stats["cache_hits"] == 2 and stats["eager_fallbacks"] == 0, stats
     assert direct_per_step == [0, 0, 0, 1]
 
 

@@ -26,6 +26,7 @@ def test_a_backward_graph_compiles_with_the_options() -> None:
     result = compare(mlp_step(model), _recording_compiler(seen), tensors=model, steps=3)
     result.assert_ok()
     assert result.stats["captures"] == 1 and result.stats["cache_hits"] == 2
+    assert result.stats["eager_fallbacks"] == 0 and result.stats["graph_breaks"] == 0
     assert seen == [BACKWARD_INDUCTOR_OPTIONS]
     # Only while the graph compiled, and unset again after it: the next
     # capture gets them too.
@@ -43,7 +44,10 @@ def test_an_option_the_user_set_is_kept() -> None:
     # revertibly (config.patch leaves it set when it exits).
     revert = torch._inductor.config._make_closure_patcher(reorder_for_locality=True)()
     try:
-        compare(mlp_step(model), _recording_compiler(seen), tensors=model, steps=2).assert_ok()
+        result = compare(mlp_step(model), _recording_compiler(seen), tensors=model, steps=2)
     finally:
         revert()
+    result.assert_ok()
+    assert result.stats["captures"] == 1 and result.stats["cache_hits"] == 1
+    assert result.stats["eager_fallbacks"] == 0 and result.stats["graph_breaks"] == 0
     assert seen == [{"reorder_for_locality": True}]

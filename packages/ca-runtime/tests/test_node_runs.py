@@ -202,3 +202,4 @@ def test_a_post_hook_reads_saved_tensors_of_its_node(python_compiler: str | None
     result = ca_testkit.compare(step, compiler_fn, tensors=[x], steps=4)
     result.assert_ok()
     assert result.stats["captures"] == 1 and result.stats["cache_hits"] == 3, result.stats
+    assert result.stats["eager_fallbacks"] == 0 and result.stats["graph_breaks"] == 0, result.stats
