@@ -19,6 +19,7 @@
 #include <utility>
 #include <vector>
 
+#include "hit_choice.h"
 #include "torch_private.h" // getPyInterpreter(); see its list of private uses
 
 namespace ca {
@@ -230,6 +231,9 @@ struct ShadowNode {
   /// keeps its saved tensors; see [Note: Nodes that run for real keep their
   /// saved tensors].
   std::vector<bool> ran_for_real;
+  /// Whether its hits run compiled or on the eager engine, and the timings
+  /// that chose; see [Note: Eager when it is faster].
+  HitChoice choice;
 
   /// What the node whose key leads here looked like; see [Note: Explained misses].
   std::unique_ptr<NodeSummary> summary;

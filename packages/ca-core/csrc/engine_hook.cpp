@@ -95,6 +95,7 @@ struct Counters {
   std::atomic<uint64_t> cache_hits{0};
   std::atomic<uint64_t> eager_fallbacks{0};
   std::atomic<uint64_t> eager_while_compiling{0};
+  std::atomic<uint64_t> eager_by_choice{0};
   std::atomic<uint64_t> nodes_put_back{0};
 };
 Counters g_counters;
@@ -103,6 +104,9 @@ Counters g_counters;
 PyObject* g_runtime = nullptr;
 /// The cache root of the installed runtime's compiler; see [Note: One cache per compiler].
 ShadowNode* g_cache = nullptr;
+/// The installed runtime's `eager_if_faster`: entries may choose the eager
+/// engine; see [Note: Eager when it is faster].
+bool g_eager_if_faster = false;
 
 /// Depth of our hook on this thread; > 0 means a backward inside a backward.
 thread_local int t_hook_depth = 0;
@@ -299,7 +303,8 @@ void run_final_callbacks(GraphTask& task) {
   }
 }
 
-/// What capture() returns: (compiled, leaf_outputs, leaf_hooks_only[, free_early]).
+/// What capture() returns: (compiled, leaf_outputs, leaf_hooks_only[,
+/// free_early[, may_run_eagerly]]).
 struct Captured {
   nb::object compiled;
   std::vector<uint32_t> leaf_outputs;
@@ -308,6 +313,9 @@ struct Captured {
   std::vector<bool> hooks_only;
   /// See [Note: Saved tensors freed early].
   std::vector<uint32_t> free_early;
+  /// Its hits may be served by the eager engine if that is faster; see
+  /// [Note: Eager when it is faster].
+  bool may_run_eagerly = false;
 };
 
 /// The tuple capture() returns, or nullopt for None.
@@ -318,13 +326,15 @@ std::optional<Captured> unpack_capture(nb::handle result) {
   nb::tuple returned = nb::cast<nb::tuple>(result);
   const size_t n = nb::len(returned);
   TORCH_CHECK(
-      n == 3 || n == 4,
-      "ca_core: capture() must return (compiled, leaf_outputs, leaf_hooks_only[, free_early]) or None");
+      n >= 3 && n <= 5,
+      "ca_core: capture() must return (compiled, leaf_outputs, leaf_hooks_only[, free_early[, "
+      "may_run_eagerly]]) or None");
   Captured out{
       nb::borrow(returned[0]),
       nb::cast<std::vector<uint32_t>>(returned[1]),
       nb::cast<std::vector<bool>>(returned[2]),
-      n == 4 ? nb::cast<std::vector<uint32_t>>(returned[3]) : std::vector<uint32_t>()};
+      n >= 4 ? nb::cast<std::vector<uint32_t>>(returned[3]) : std::vector<uint32_t>(),
+      n >= 5 && nb::cast<bool>(returned[4])};
   if (std::find(out.hooks_only.begin(), out.hooks_only.end(), true) == out.hooks_only.end()) {
     out.hooks_only.clear();
   }
@@ -416,6 +426,9 @@ struct BackwardRun {
   std::vector<bool> leaf_hooks_only;
   /// The graph has not completed a run yet (lazy compilers compile now).
   bool first_run = false;
+  /// Set when this compiled run is timed for the entry's choice: when its
+  /// timing began; see [Note: Eager when it is faster].
+  std::optional<std::chrono::steady_clock::time_point> timed_since;
   /// Whether `entry` still exists.
   bool entry_alive() const {
     return cache_generation(*cache) == generation;
@@ -425,7 +438,28 @@ struct BackwardRun {
     ++g_counters.eager_fallbacks;
     return run_eager(root, graph_task);
   }
+  /// Runs the backward on the eager engine from lookup(), the walk's state
+  /// dropped first; see [Note: The walk lets go before eager runs].
+  variable_list eager_after_walk() {
+    state.reset();
+    return run_eager(root, graph_task);
+  }
 };
+
+/*
+[Note: The walk lets go before eager runs]
+The walk's state holds every saved tensor it lifted (the per-node
+collected->tensor_args and lifted_tensors). When lookup() sends a walked
+backward to the eager engine (a failed entry, a graph still compiling, or
+the eager engine chosen, see [Note: Eager when it is faster]), the state is
+recycled first: otherwise eager's release of each node's saved tensors
+frees nothing until the backward ends, the allocator takes fresh pages for
+the grads meanwhile, and the backward's peak memory is that of a graph
+holding everything (tests/scripts/backward_peak_memory.py, eight 1024-wide
+layers: 35.4 MB against eager's 18.7 MB; and about 60 us more per backward
+on the benchmark's MLP, bench/README.md). lookup() runs before the
+BackwardState is made active, so nothing else points at it.
+*/
 
 /// Step 1. Returns the outputs when the backward already ran eagerly.
 std::optional<variable_list> walk(
@@ -515,20 +549,76 @@ or a fallback. The first yes drops the callable, and from then on the entry
 is served as any other: the hot path pays one null check.
 */
 
-/// Step 2: hit or miss. Returns the outputs when the entry failed before, or
-/// its graph is still compiling.
+/// Tells the runtime which way an entry chose (optional report_choice);
+/// the backward has run, so an error there is only printed.
+void report_choice(const ShadowNode& entry, nb::handle runtime) {
+  try {
+    nb::object report = nb::getattr(runtime, "report_choice", nb::none());
+    if (!report.is_none()) {
+      const HitChoice& c = entry.choice;
+      report(entry.id, c.eager, static_cast<double>(c.compiled_median_ns) * 1e-9,
+             static_cast<double>(c.eager_median_ns) * 1e-9);
+    }
+  } catch (nb::python_error& e) {
+    e.discard_as_unraisable("ca_core: report_choice");
+  }
+}
+
+/// Adds one timed run to the choice of `run`'s entry, if it still exists.
+void record_choice(const BackwardRun& run, bool eager_run, std::chrono::steady_clock::time_point since) {
+  const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+      std::chrono::steady_clock::now() - since);
+  if (run.entry_alive() && run.entry->choice.record(eager_run, static_cast<uint64_t>(ns.count()))) {
+    report_choice(*run.entry, run.runtime);
+  }
+}
+
+/// The entry's choice for this backward: its outputs when it ran on the
+/// eager engine; see [Note: Eager when it is faster].
+std::optional<variable_list> serve_by_choice(BackwardRun& run) {
+  HitChoice& choice = run.entry->choice;
+  const bool plain = !run.state->keep_graph && !run.state->create_graph;
+  switch (choice.next(plain)) {
+    case HitChoice::Serve::kCompiled:
+      return std::nullopt;
+    case HitChoice::Serve::kTimeCompiled:
+      run.timed_since = std::chrono::steady_clock::now();
+      return std::nullopt;
+    case HitChoice::Serve::kEager:
+      ++choice.eager_runs;
+      ++g_counters.eager_by_choice;
+      return run.eager_after_walk();
+    case HitChoice::Serve::kTimeEager:
+      break;
+  }
+  ++choice.eager_runs;
+  ++g_counters.eager_by_choice;
+  const auto since = std::chrono::steady_clock::now();
+  variable_list outputs = run.eager_after_walk();
+  record_choice(run, true, since);
+  return outputs;
+}
+
+/// Step 2: hit or miss. Returns the outputs when the entry failed before, its
+/// graph is still compiling, or its hits run eagerly by choice.
 std::optional<variable_list> lookup(BackwardRun& run) {
   ShadowNode& entry = *run.entry;
   if (entry.failed) {
-    return run.eager();
+    ++g_counters.eager_fallbacks;
+    return run.eager_after_walk();
   }
   if (C10_UNLIKELY(entry.compiling.is_valid())) {
     // See [Note: Eager while compiling].
     if (!nb::cast<bool>(entry.compiling())) {
       ++g_counters.eager_while_compiling;
-      return run_eager(run.root, run.graph_task);
+      return run.eager_after_walk();
     }
     entry.compiling = nb::object();
+  }
+  if (g_eager_if_faster && entry.choice.eligible && !entry.first_run && entry.compiled_fn.is_valid()) {
+    if (auto done = serve_by_choice(run)) {
+      return done;
+    }
   }
   run.args = lift_args(*run.state);
   if (!entry.compiled_fn.is_valid() || !sizes_match(entry, run.args.size_values)) {
@@ -569,6 +659,7 @@ bool capture(BackwardRun& run) {
     entry.leaf_hooks_only = run.leaf_hooks_only;
     entry.free_early = std::move(captured->free_early);
     entry.ran_for_real.clear();
+    entry.choice.reset(captured->may_run_eagerly);
     entry.expected_sizes = run.args.size_values;
     entry.dynamic_sizes = state.dynamic_sizes;
     entry.tensor_shapes = tensor_shapes(state);
@@ -824,7 +915,12 @@ variable_list compiled_backward_with_gil(
   if (auto done = run_graph(run, result)) {
     return std::move(*done);
   }
-  return finish(run, std::move(result));
+  variable_list outputs = finish(run, std::move(result));
+  if (C10_UNLIKELY(run.timed_since.has_value())) {
+    // See [Note: Eager when it is faster].
+    record_choice(run, false, *run.timed_since);
+  }
+  return outputs;
 }
 
 /// The function installed in the engine. A Python exception (a user hook's)
@@ -899,6 +995,8 @@ void register_engine_hook(nb::module_& m) {
         PyObject* prior = g_runtime;
         g_runtime = runtime.inc_ref().ptr();
         g_cache = &cache_root(compiler_key);
+        // See [Note: Eager when it is faster]; optional, off without it.
+        g_eager_if_faster = nb::cast<bool>(nb::getattr(runtime, "eager_if_faster", nb::bool_(false)));
         Py_XDECREF(prior);
         Engine::set_compiled_autograd(&compiled_backward);
       },
@@ -956,10 +1054,12 @@ void register_engine_hook(nb::module_& m) {
         d["cache_hits"] = g_counters.cache_hits.load();
         d["eager_fallbacks"] = g_counters.eager_fallbacks.load();
         d["eager_while_compiling"] = g_counters.eager_while_compiling.load();
+        d["eager_by_choice"] = g_counters.eager_by_choice.load();
         d["nodes_put_back"] = g_counters.nodes_put_back.load();
         return d;
       },
-      "captures, cache_hits, eager_fallbacks, eager_while_compiling and "
+      "captures, cache_hits, eager_fallbacks, eager_while_compiling, "
+      "eager_by_choice (see [Note: Eager when it is faster]) and "
       "nodes_put_back (see [Note: Freed saved tensors put back]) since the "
       "last reset_counters().");
   m.def(
@@ -969,6 +1069,7 @@ void register_engine_hook(nb::module_& m) {
         g_counters.cache_hits = 0;
         g_counters.eager_fallbacks = 0;
         g_counters.eager_while_compiling = 0;
+        g_counters.eager_by_choice = 0;
         g_counters.nodes_put_back = 0;
         g_timings.walk_ns = 0;
         g_timings.run_ns = 0;

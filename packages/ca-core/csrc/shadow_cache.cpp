@@ -168,6 +168,7 @@ void ShadowNode::clear() {
   first_run = true;
   compiling = nb::object();
   hits = 0;
+  choice.reset(false);
   leaf_outputs.clear();
   leaf_hooks_only.clear();
   summary.reset();
@@ -446,6 +447,14 @@ struct CacheTreeNode {
   uint32_t num_dynamic_sizes = 0;
   /// Sizes stay static; see [Note: Static when dynamic fails].
   bool static_sizes = false;
+  /// How its hits run: "compiled", "eager" or "" (no graph); see [Note:
+  /// Eager when it is faster].
+  std::string served_by;
+  /// Backwards it ran on the eager engine by choice or to time it.
+  uint64_t eager_runs = 0;
+  /// Medians of its last timing, in seconds (0 before one).
+  double compiled_median_s = 0;
+  double eager_median_s = 0;
 };
 
 } // namespace
@@ -462,7 +471,11 @@ void register_shadow_cache(nb::module_& m) {
       .def_ro("failure", &CacheTreeNode::failure)
       .def_ro("num_sizes", &CacheTreeNode::num_sizes)
       .def_ro("num_dynamic_sizes", &CacheTreeNode::num_dynamic_sizes)
-      .def_ro("static_sizes", &CacheTreeNode::static_sizes);
+      .def_ro("static_sizes", &CacheTreeNode::static_sizes)
+      .def_ro("served_by", &CacheTreeNode::served_by)
+      .def_ro("eager_runs", &CacheTreeNode::eager_runs)
+      .def_ro("compiled_median_s", &CacheTreeNode::compiled_median_s)
+      .def_ro("eager_median_s", &CacheTreeNode::eager_median_s);
   m.def(
       "cache_tree",
       []() {
@@ -486,6 +499,12 @@ void register_shadow_cache(nb::module_& m) {
               row.num_dynamic_sizes += d ? 1 : 0;
             }
             row.static_sizes = node->static_sizes;
+            if (row.has_graph) {
+              row.served_by = node->choice.eager ? "eager" : "compiled";
+            }
+            row.eager_runs = node->choice.eager_runs;
+            row.compiled_median_s = static_cast<double>(node->choice.compiled_median_ns) * 1e-9;
+            row.eager_median_s = static_cast<double>(node->choice.eager_median_ns) * 1e-9;
             for (const auto& [_, child] : node->next) {
               stack.emplace_back(child.get(), static_cast<int64_t>(node->id));
             }
@@ -529,9 +548,8 @@ void register_shadow_cache(nb::module_& m) {
   m.def(
       "cache_entries",
       []() {
-        // Per compiler root, depth-first over the tree: (key-path length,
-        // hits, failed, dynamic sizes, sizes, compiler key, failure) per
-        // compiled or failed entry.
+        // Per compiler root, depth-first over the tree, one tuple per
+        // compiled or failed entry (see the docstring).
         nb::list out;
         for (const auto& [compiler, root] : cache_roots()) {
           std::vector<std::pair<const ShadowNode*, size_t>> stack{{root.get(), 0}};
@@ -543,9 +561,14 @@ void register_shadow_cache(nb::module_& m) {
               for (bool d : node->dynamic_sizes) {
                 dynamic += d ? 1 : 0;
               }
+              const HitChoice& choice = node->choice;
               out.append(nb::make_tuple(
                   depth, node->hits, node->failed, dynamic,
-                  node->expected_sizes.size(), compiler, node->failure));
+                  node->expected_sizes.size(), compiler, node->failure,
+                  node->compiled_fn.is_valid() ? (choice.eager ? "eager" : "compiled") : "",
+                  choice.eager_runs,
+                  static_cast<double>(choice.compiled_median_ns) * 1e-9,
+                  static_cast<double>(choice.eager_median_ns) * 1e-9));
             }
             for (const auto& [_, child] : node->next) {
               stack.emplace_back(child.get(), depth + 1);
@@ -555,7 +578,8 @@ void register_shadow_cache(nb::module_& m) {
         return out;
       },
       "(key_path_length, hits, failed, num_dynamic_sizes, num_sizes, compiler, "
-      "failure) of every cache entry.");
+      "failure, served_by, eager_runs, compiled_median_s, eager_median_s) of "
+      "every cache entry; see [Note: Eager when it is faster] for the last four.");
 }
 
 } // namespace ca

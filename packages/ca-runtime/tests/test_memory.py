@@ -58,6 +58,21 @@ def test_saved_tensors_are_freed_early_again_after_a_hit_that_ran_the_nodes() ->
 
 
 @_LINUX_RSS
+def test_a_backward_run_eagerly_by_choice_frees_as_eager_does() -> None:
+    """The walk lets go of the saved tensors it lifted before the eager engine runs the backward.
+
+    See [Note: The walk lets go before eager runs] in ca_core.
+    """
+    peaks, stats = _peaks("aot_eager", "eager-choice")
+    assert stats["captures"] == 1 and stats["eager_fallbacks"] == 0, stats
+    # 8 timed eager runs and 2 chosen ones, the second the backward measured.
+    assert stats["eager_by_choice"] == 10 and stats["cache_hits"] == 12, stats
+    mib = 2**20
+    # Holding the 8 layers' saved activations to the end would add about 16 MiB.
+    assert peaks["ca"] <= peaks["eager"] + 2 * mib, peaks
+
+
+@_LINUX_RSS
 @pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.inductor)])
 def test_checkpointed_regions_are_recomputed_one_at_a_time(backend: str) -> None:
     """Each region's recompute runs where eager's does, not all at the graph's start (Inductor reorders freely)."""

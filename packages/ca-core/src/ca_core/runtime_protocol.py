@@ -25,10 +25,11 @@ class EngineRuntime(Protocol):
 
     def capture(
         self, graph: BackwardGraph
-    ) -> tuple[Callable[..., Any], list[int], list[bool], list[int]] | None:
+    ) -> tuple[Callable[..., Any], list[int], list[bool], list[int], bool] | None:
         """Build and compile the graph of a walked backward, or None to run it eagerly.
 
-        Returns (compiled, leaf_outputs, leaf_hooks_only, free_early); see ca_runtime's [Note: Capture methods].
+        Returns (compiled, leaf_outputs, leaf_hooks_only, free_early, may_run_eagerly); see ca_runtime's
+        [Note: Capture methods].
         """
         ...
 
@@ -46,6 +47,9 @@ class EngineRuntime(Protocol):
 
     # Optional: ``take_compiling() -> Callable[[], bool] | None``, called after a
     # first run that succeeded; see [Note: Eager while compiling] in engine_hook.cpp.
+    # Optional: ``eager_if_faster: bool`` (read at install) and
+    # ``report_choice(entry_id, eager, compiled_s, eager_s) -> None``; see
+    # [Note: Eager when it is faster] in hit_choice.h.
 
     def report_fallback(self, node: str, reason: str) -> None:
         """Warn that this backward runs eagerly because ``node`` failed for ``reason``."""

@@ -200,10 +200,15 @@ class _EnableContext(_HookContext):
     plain statement would otherwise do nothing at all, silently.
     """
 
-    def __init__(self, compiler_fn: CompilerFn | str, compile_in_background: bool = False) -> None:
+    def __init__(
+        self, compiler_fn: CompilerFn | str, compile_in_background: bool = False, eager_if_faster: bool = True
+    ) -> None:
+        if not isinstance(eager_if_faster, bool):
+            raise TypeError(f"eager_if_faster must be a bool, got {type(eager_if_faster).__name__}")
         self._compiler_fn = compiler_fn
         self._compiler = _resolve_compiler(compiler_fn, compile_in_background)
         self._compile_in_background = compile_in_background
+        self._eager_if_faster = eager_if_faster
         self._entered = False  # set last: a rejected compiler_fn does not warn
 
     def _install(self) -> Runtime:
@@ -211,6 +216,7 @@ class _EnableContext(_HookContext):
         keep_hook_across_torch_disable()
         runtime = Runtime(self._compiler)
         runtime.compiler_key = _compiler_key(self._compiler_fn, self._compile_in_background)
+        runtime.eager_if_faster = self._eager_if_faster
         ca_core.install_engine_hook(runtime, runtime.compiler_key)
         return runtime
 
@@ -235,7 +241,9 @@ class _DisableContext(_HookContext):
         ca_core.uninstall_engine_hook()
 
 
-def enable(compiler_fn: CompilerFn | str, *, compile_in_background: bool = False) -> _EnableContext:
+def enable(
+    compiler_fn: CompilerFn | str, *, compile_in_background: bool = False, eager_if_faster: bool = True
+) -> _EnableContext:
     """Compiles every ``backward()``/``autograd.grad`` inside the context.
 
     ``compiler_fn`` takes the captured ``torch.fx.GraphModule`` and returns a
@@ -244,7 +252,11 @@ def enable(compiler_fn: CompilerFn | str, *, compile_in_background: bool = False
     ``compile_in_background=True`` (backend ``"inductor"`` only), Inductor
     compiles each new graph's kernels on a thread while backwards run op by op
     or on the eager engine; see [Note: Compiling in the background] and
-    ``wait_for_background_compiles()``. Use it as ``with
+    ``wait_for_background_compiles()``. With ``eager_if_faster=True`` (the
+    default), each captured graph is timed against the eager engine over a
+    few of its cache hits, and its backwards run on the eager engine if that
+    was faster (timed again later; see [Note: Eager when it is faster] in
+    ca_core and ``cache_info()``); ``False`` always runs the graph. Use it as ``with
     enable(...) as runtime:``; on exit, by return or by exception, the engine
     hook that was active before is restored (see [Note: Restoring the engine
     hook]). A call that is never entered warns.
@@ -253,7 +265,7 @@ def enable(compiler_fn: CompilerFn | str, *, compile_in_background: bool = False
     on any thread is compiled. Contexts opened on several threads may exit in
     any order; see [Note: Contexts entered on several threads].
     """
-    return _EnableContext(compiler_fn, compile_in_background)
+    return _EnableContext(compiler_fn, compile_in_background, eager_if_faster)
 
 
 def disable() -> _DisableContext:
@@ -298,7 +310,10 @@ def stats() -> dict[str, int]:
     (backwards run wholly eagerly), and for ``compile_in_background``,
     ``background_compiles`` (Inductor compiles started on a thread),
     ``uncompiled_runs`` (graph calls run op by op while theirs went on) and
-    ``eager_while_compiling`` (backwards run on the eager engine meanwhile).
+    ``eager_while_compiling`` (backwards run on the eager engine meanwhile),
+    and ``eager_by_choice`` (backwards at a cache entry run on the eager
+    engine because it measured faster there, or to time it; see
+    ``enable(eager_if_faster=...)``).
     """
     counters = ca_core.counters()
     return {
@@ -308,6 +323,7 @@ def stats() -> dict[str, int]:
         "eager_fallbacks": counters["eager_fallbacks"],
         **background_counts(),
         "eager_while_compiling": counters["eager_while_compiling"],
+        "eager_by_choice": counters["eager_by_choice"],
     }
 
 
@@ -329,6 +345,14 @@ class CacheEntry:
     compiler: str
     #: Why it failed (the fallback warning's reason), or "".
     failure: str
+    #: How its backwards run: ``"compiled"``, ``"eager"`` (the eager engine
+    #: measured faster, see ``enable(eager_if_faster=...)``) or ``""`` (no graph).
+    served_by: str = ""
+    #: Backwards it ran on the eager engine, by that choice or to time it.
+    eager_runs: int = 0
+    #: Median seconds of a compiled and an eager backward in its last timing (0.0 before one).
+    compiled_median_s: float = 0.0
+    eager_median_s: float = 0.0
 
 
 def cache_info() -> list[CacheEntry]:

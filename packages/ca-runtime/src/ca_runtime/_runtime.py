@@ -7,11 +7,13 @@ which mypy checks ``Runtime`` against):
 
 - ``capture(graph)``: build the FX graph of a walked backward and compile it
   with ``compiler_fn`` (its runs of nodes fused, see _node_runs.py); return ``(compiled, leaf_outputs, leaf_hooks_only,
-  free_early)`` -- the compiled callable, the walk index of each AccumulateGrad
+  free_early, may_run_eagerly)`` -- the compiled callable, the walk index of each AccumulateGrad
   node whose grad the graph returns, per such node whether the graph
-  accumulated it already (only its grad_fn post hooks are left to run), and
+  accumulated it already (only its grad_fn post hooks are left to run),
   the nodes whose saved tensors may be dropped before a cache hit runs (see
-  [Note: Saved tensors freed early] in ca_core) -- or None to run this
+  [Note: Saved tensors freed early] in ca_core), and whether its hits may
+  run on the eager engine where that measures faster (see
+  [Note: Eager when it is faster] in ca_core (hit_choice.h)) -- or None to run this
   backward (and every later one with the same key path) eagerly.
 - ``run_first(compiled, inputs, sizes, scalars, hooks, dynamic_dims)``: the
   first call of a freshly compiled graph, where lazy compilers
@@ -28,6 +30,9 @@ which mypy checks ``Runtime`` against):
   are ready, or None; see [Note: Eager while compiling] in ca_core and
   [Note: Compiling in the background] in _background.py. Optional: a runtime
   without it compiles nothing in the background.
+- ``report_choice(entry_id, eager, compiled_s, eager_s)``: a cache entry has
+  timed its hits both ways and chose (logged at INFO). Optional, as is the
+  attribute ``eager_if_faster`` that ca_core reads at install (absent: off).
 - ``report_fallback(node, reason)``: ca_core could not even walk the graph.
 - ``proxy_call_backward(...)``: torch's PyNode calls this on the installed
   compiler object when a Python Function's node is applied through
@@ -102,6 +107,16 @@ def _describe(error: BaseException) -> str:
 
 
 CompilerFn = Callable[[torch.fx.GraphModule], Callable[..., Any]]
+
+
+def _in_multi_process_group() -> bool:
+    """A process group of more than one rank is running: see [Note: Eager when it is faster] in ca_core (hit_choice.h).
+
+    Each rank's timing would include its waits for the others, and the ranks
+    would choose apart; their graphs stay compiled.
+    """
+    dist = torch.distributed
+    return bool(dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
 
 
 def _compiled_form(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -195,13 +210,16 @@ class Runtime:
         self.last_failure = ""
         #: Which cache it serves; see [Note: One cache per compiler] in ca_core.
         self.compiler_key = "default"
+        #: Read by ca_core at install: cache entries may serve their hits on
+        #: the eager engine where it measures faster (``enable(eager_if_faster=)``).
+        self.eager_if_faster = False
         #: Per thread: the report record of the capture whose first run is due
         #: (``pending``) or failed (``failed_first_run``); see _report/records.py.
         self._records = threading.local()
 
     def capture(
         self, graph: ca_core.BackwardGraph
-    ) -> tuple[Callable[..., Any], list[int], list[bool], list[int]] | None:
+    ) -> tuple[Callable[..., Any], list[int], list[bool], list[int], bool] | None:
         record = records.begin_capture(graph, self.compiler_key)
         self._records.pending = self._records.failed_first_run = None
         start = time.perf_counter()
@@ -241,12 +259,20 @@ class Runtime:
         self._records.pending = record
         # See take_compiling(): a torch.compile'd region's real backward, run
         # eagerly, would compile AOTAutograd's own backward graph.
-        self._records.eager_while_compiling = not any(is_aot_backward(node) for node in graph.nodes)
+        eager_is_cheap = not any(is_aot_backward(node) for node in graph.nodes)
+        self._records.eager_while_compiling = eager_is_cheap
         for brk in STATE.record_capture(gm, captured.graph_breaks):
             message = f"ca_runtime: graph break at {brk.node_name} (node {brk.node_index}): {brk.reason}"
             log.info(message)
             warnings.warn(message, GraphBreakWarning, stacklevel=2)
-        return compiled, captured.leaf_outputs, captured.leaf_hooks_only, captured.free_early()
+        may_run_eagerly = self.eager_if_faster and eager_is_cheap and not _in_multi_process_group()
+        return (
+            compiled,
+            captured.leaf_outputs,
+            captured.leaf_hooks_only,
+            captured.free_early(),
+            may_run_eagerly,
+        )
 
     def run_first(
         self,
@@ -323,6 +349,17 @@ class Runtime:
         if not threads or not getattr(self._records, "eager_while_compiling", True):
             return None
         return lambda: not any(thread.is_alive() for thread in threads)
+
+    def report_choice(self, entry_id: int, eager: bool, compiled_s: float, eager_s: float) -> None:
+        """See [Note: Capture methods]: cache entry ``entry_id`` timed both ways and chose."""
+        log.info(
+            "ca_runtime: cache entry %d: a backward takes %.3g ms compiled, %.3g ms on the eager engine "
+            "(medians); its backwards now run %s",
+            entry_id,
+            compiled_s * 1e3,
+            eager_s * 1e3,
+            "on the eager engine" if eager else "compiled",
+        )
 
     def report_fallback(self, node: str, reason: str) -> None:
         # After a failed first run, ca_core reports the fallback of that capture.

@@ -3,10 +3,13 @@
 Run with MALLOC_MMAP_THRESHOLD_=65536 (every tensor buffer its own mapping,
 freed to the system at once) so that RSS follows live tensor bytes; see
 bench/run.py's backward_peak_bytes. Usage: backward_peak_memory.py BACKEND
-[checkpoint | stance]; with ``checkpoint`` each pair of layers is a
-non-reentrant checkpointed region; with ``stance`` one earlier hit runs under
-``torch.compiler.set_stance("force_eager")`` (the graph as Python, its nodes
-run for real; see [Note: Nodes that run for real keep their saved tensors]).
+[checkpoint | stance | eager-choice]; with ``checkpoint`` each pair of layers
+is a non-reentrant checkpointed region; with ``stance`` one earlier hit runs
+under ``torch.compiler.set_stance("force_eager")`` (the graph as Python, its
+nodes run for real; see [Note: Nodes that run for real keep their saved
+tensors]); with ``eager-choice`` the compiled graph sleeps 50 ms, so that the
+entry chooses the eager engine, and the backward measured runs there (see
+[Note: The walk lets go before eager runs]).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import sys
 import ca_runtime
 import torch
 import torch.utils.checkpoint
+from ca_testkit.scenarios import slowed_compiler
 
 
 def _rss_kib() -> dict[str, int]:
@@ -51,9 +55,13 @@ def main() -> None:
             return h
 
         model.forward = forward  # type: ignore[method-assign]
-    contexts = {"eager": contextlib.nullcontext, "ca": lambda: ca_runtime.enable(sys.argv[1])}
+    eager_choice = sys.argv[2:] == ["eager-choice"]
+    compiler_fn = slowed_compiler(sys.argv[1], 0.05) if eager_choice else sys.argv[1]
+    contexts = {"eager": contextlib.nullcontext, "ca": lambda: ca_runtime.enable(compiler_fn)}
     stance_step = 2 if sys.argv[2:] == ["stance"] else -1
-    steps = 5 if stance_step >= 0 else 4
+    # eager-choice: a first run, 4 untimed hits, 8 timed backwards each way,
+    # then the entry runs eagerly ([Note: Eager when it is faster]).
+    steps = 23 if eager_choice else 5 if stance_step >= 0 else 4
     peaks = {}
     for name, make in contexts.items():
         for step in range(steps):

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
-__all__ = ["Cube", "batch", "make_mlp", "mlp_step"]
+__all__ = ["Cube", "batch", "make_mlp", "mlp_step", "slowed_compiler"]
 
 
 def make_mlp(seed: int = 0, sizes: tuple[int, ...] = (8, 16, 4)) -> torch.nn.Sequential:
@@ -55,3 +57,23 @@ class Cube(torch.autograd.Function):
     def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> torch.Tensor:
         (a,) = ctx.saved_tensors  # type: ignore[attr-defined]
         return 3 * a * a * grad
+
+
+def slowed_compiler(backend: str, seconds: float) -> Callable[[torch.fx.GraphModule], Any]:
+    """A compiler_fn: ``torch.compile(gm, backend=backend)``, each call of which first sleeps ``seconds``.
+
+    Makes a compiled graph reliably slower than the eager engine (see
+    ``enable(eager_if_faster=...)``). Keep the returned object alive while
+    its entries are inspected: a callable's cache goes with it.
+    """
+
+    def compiler_fn(gm: torch.fx.GraphModule) -> Any:
+        compiled = torch.compile(gm, backend=backend)
+
+        def run(*args: Any) -> Any:
+            time.sleep(seconds)
+            return compiled(*args)
+
+        return run
+
+    return compiler_fn

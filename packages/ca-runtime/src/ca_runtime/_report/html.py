@@ -96,6 +96,7 @@ def _overview(data: ReportData) -> str:
             ("cache hits", c["cache_hits"], ""),
             ("graph breaks", c["graph_breaks"], "warn" if c["graph_breaks"] else ""),
             ("eager fallbacks", c["eager_fallbacks"], "bad" if c["eager_fallbacks"] else ""),
+            ("eager by choice", c.get("eager_by_choice", 0), ""),
         )
     )
     t = data.timings
@@ -205,6 +206,12 @@ def _cache_tree(data: ReportData) -> str:
             )
         if end.static_sizes:
             badges.append('<span class="badge">static sizes (a dynamic graph failed)</span>')
+        if end.compiled_median_s and end.eager_median_s:
+            timing = f"compiled {_seconds(end.compiled_median_s)}, eager {_seconds(end.eager_median_s)}"
+            if end.served_by == "eager":
+                badges.append(f'<span class="badge eager">runs eagerly, measured faster ({timing})</span>')
+            else:
+                badges.append(f'<span class="badge">runs compiled ({timing})</span>')
         if end.failed:
             badges.append(f'<span class="badge bad">failed: {e(end.failure)}</span>')
         captured = captures_at.get(end.id, [])
@@ -547,6 +554,7 @@ th { background: #f0f0f0; }
 .badge { display: inline-block; border: 1px solid #ccc; border-radius: 4px; padding: 0 .35em; margin-left: .2em;
   font-size: 12px; background: #fafafa; white-space: normal; }
 .badge.graph { background: #cdeccd; } .badge.bad { border-color: #e0a0a0; background: #fdeaea; }
+.badge.eager { background: #fff3cd; border-color: #e0c870; }
 .compiler { font-weight: 600; } .captures { margin-left: .5em; font-size: 12px; }
 details.capture { background: #fff; border: 1px solid #ddd; border-radius: 6px; margin: .6em 0; padding: .3em .8em; }
 details.capture > summary { cursor: pointer; font-weight: 600; }

@@ -57,6 +57,13 @@ class TreeNode:
     num_sizes: int
     num_dynamic_sizes: int
     static_sizes: bool
+    #: How its backwards run ("compiled", "eager" or "" without a graph) and
+    #: the last timing of both ways (seconds, 0.0 before one); see
+    #: ``enable(eager_if_faster=...)``.
+    served_by: str = ""
+    eager_runs: int = 0
+    compiled_median_s: float = 0.0
+    eager_median_s: float = 0.0
 
 
 @dataclasses.dataclass
@@ -172,6 +179,7 @@ def build_report_data() -> ReportData:
             "cache_hits": counters["cache_hits"],
             "graph_breaks": STATE.graph_breaks,
             "eager_fallbacks": counters["eager_fallbacks"],
+            "eager_by_choice": counters["eager_by_choice"],
         },
         timings=dict(timings) if _TimingSwitch.enabled or timings["timed_backwards"] else None,
         seconds=dict(log.seconds),
@@ -189,6 +197,10 @@ def build_report_data() -> ReportData:
                 num_sizes=n.num_sizes,
                 num_dynamic_sizes=n.num_dynamic_sizes,
                 static_sizes=n.static_sizes,
+                served_by=n.served_by,
+                eager_runs=n.eager_runs,
+                compiled_median_s=n.compiled_median_s,
+                eager_median_s=n.eager_median_s,
             )
             for n in ca_core.cache_tree()
         ],

@@ -1,0 +1,84 @@
+// hit_choice.h — whether a cache entry's hits run its compiled graph or the
+// eager engine, chosen by timing both; see [Note: Eager when it is faster].
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+namespace ca {
+
+/*
+[Note: Eager when it is faster]
+A compiled graph is not always faster than the eager engine: on a small MLP
+Inductor's graph of extern mm calls plus the graph's own call cost lost
+7-10 % to eager (bench/README.md). So each cache entry times both ways and
+serves its hits the faster way:
+  - after its graph's first run, kWarmupRuns backwards run compiled untimed
+    (Dynamo's and the allocator's caches settle);
+  - then kTimedRunsPerWay backwards each way are timed, alternating
+    eager, compiled, compiled, eager, ... so that drift in the machine's
+    speed falls on both alike. Only plain backwards are timed (no
+    retain_graph or create_graph); the others run compiled meanwhile.
+    Compiled is timed from lifting the inputs to the end of finish(), eager
+    as the engine's whole run; the walk, which both pay, is not in either;
+  - the entry runs eagerly from then on if the compiled median exceeds the
+    eager one by more than kCompiledMargin; otherwise compiled;
+  - the choice is measured again kRemeasureRuns backwards later, the gap
+    doubling each time up to kRemeasureRuns << kMaxRemeasureShift, so that a
+    choice made while the machine was busy elsewhere does not stand forever.
+A backward served eagerly is the eager engine's own run, as for a graph
+still compiling (see [Note: Eager while compiling]): nothing is lifted or
+freed early, hooks run where eager runs them, and the walk alone is paid on
+top. Counted in eager_by_choice, not as a hit. The runtime says per capture
+whether its graph may be served so (capture()'s `may_run_eagerly`) and per
+enable() whether any may (its `eager_if_faster`); it is told of each choice
+through the optional report_choice(). A new capture at the entry starts the
+count again.
+*/
+/// How one cache entry serves its hits; see [Note: Eager when it is faster].
+struct HitChoice {
+  /// Backwards run compiled, untimed, before the first measurement.
+  static constexpr uint64_t kWarmupRuns = 4;
+  /// Timed backwards per way in one measurement.
+  static constexpr std::size_t kTimedRunsPerWay = 8;
+  /// Compiled stays chosen unless its median exceeds eager's by this fraction.
+  static constexpr double kCompiledMargin = 0.01;
+  /// Backwards between the first measurement and the second.
+  static constexpr uint64_t kRemeasureRuns = 500;
+  /// The gap between measurements doubles up to kRemeasureRuns << this.
+  static constexpr uint32_t kMaxRemeasureShift = 5;
+
+  /// How the next backward at the entry runs.
+  enum class Serve { kCompiled, kEager, kTimeCompiled, kTimeEager };
+
+  /// The capture allowed eager runs (capture()'s `may_run_eagerly`).
+  bool eligible = false;
+  /// The last measurement chose the eager engine.
+  bool eager = false;
+  /// Measurements completed.
+  uint32_t measurements = 0;
+  /// Backwards counted at the entry since its capture (served either way).
+  uint64_t runs = 0;
+  /// The value of `runs` after which the next measurement starts.
+  uint64_t measure_after = kWarmupRuns;
+  /// The current measurement's timed runs, in ns (empty between measurements).
+  std::vector<uint64_t> compiled_ns;
+  std::vector<uint64_t> eager_ns;
+  /// Medians of the last measurement, in ns (0 before the first).
+  uint64_t compiled_median_ns = 0;
+  uint64_t eager_median_ns = 0;
+  /// Backwards run on the eager engine at this entry by choice or to time it.
+  uint64_t eager_runs = 0;
+
+  /// Back to a fresh capture's state; `may_run_eagerly` from capture().
+  void reset(bool may_run_eagerly);
+  /// Counts one backward at a ready entry and says how it runs; `plain`: it
+  /// may be timed (no retain_graph, no create_graph).
+  Serve next(bool plain);
+  /// Records one timed run. True when it completed a measurement, which has
+  /// then set `eager` and the medians.
+  bool record(bool eager_run, uint64_t ns);
+};
+
+} // namespace ca

@@ -1,0 +1,218 @@
+"""Eager when it is faster: each cache entry times its hits both ways and serves them the faster way.
+
+See [Note: Eager when it is faster] in ca_core (hit_choice.h). The timings are
+made deterministic by a compiler_fn that sleeps in the compiled graph (eager
+wins) and by a Function whose backward sleeps only when not traced (the
+compiled graph wins). Every test compares with eager (grads, hook calls and
+order) and checks how many backwards ran each way.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import ca_runtime
+import ca_testkit
+import pytest
+import torch
+from ca_runtime._report.html import render
+from ca_runtime._report.model import build_report_data
+from ca_testkit.scenarios import make_mlp, mlp_step, slowed_compiler
+
+#: An entry's schedule: untimed compiled hits, then timed runs per way.
+WARMUP = 4
+TIMED = 8
+#: Steps that reach the choice and serve 3 backwards by it afterwards.
+STEPS = 1 + WARMUP + 2 * TIMED + 3
+
+
+def _slow_graph(backend: str) -> Callable[[torch.fx.GraphModule], Any]:
+    """A compiler_fn whose graph is 3 ms slower than eager's backward of a small MLP."""
+    return slowed_compiler(backend, 0.003)
+
+
+def _entry() -> ca_runtime.CacheEntry:
+    """The one entry with a graph (its compiler_fn must still be alive: its cache goes with it)."""
+    (entry,) = [e for e in ca_runtime.cache_info() if e.served_by]
+    return entry
+
+
+def _hooked_mlp_step() -> tuple[Callable[[int], tuple[torch.Tensor, list[str]]], torch.nn.Module]:
+    calls: list[str] = []
+    model = make_mlp()
+    step = mlp_step(model)
+    first = model[0].weight
+    first.register_post_accumulate_grad_hook(lambda p: calls.append("acc w0"))
+
+    def hooked(i: int) -> tuple[torch.Tensor, list[str]]:
+        """The loss and the hook calls of this step, in order."""
+        calls.clear()
+        handle = model[2].register_full_backward_hook(lambda m, gi, go: calls.append(f"module {i}"))
+        try:
+            return step(i), list(calls)
+        finally:
+            handle.remove()
+
+    return hooked, model
+
+
+def test_a_graph_slower_than_eager_runs_on_the_eager_engine(
+    backend: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    step, model = _hooked_mlp_step()
+    with caplog.at_level(logging.INFO, logger="ca_runtime"):
+        compiler_fn = _slow_graph(backend)
+        comparison = ca_testkit.compare(step, compiler_fn, tensors=list(model.parameters()), steps=STEPS)
+    comparison.assert_ok()
+    stats = comparison.stats
+    assert stats["captures"] == 1 and stats["eager_fallbacks"] == 0 and stats["graph_breaks"] == 0, stats
+    # WARMUP untimed and TIMED timed compiled hits; TIMED timed and 3 chosen eager runs.
+    assert stats["cache_hits"] == WARMUP + TIMED and stats["eager_by_choice"] == TIMED + 3, stats
+    entry = _entry()
+    assert entry.served_by == "eager" and entry.eager_runs == TIMED + 3, entry
+    assert entry.compiled_median_s > entry.eager_median_s + 0.002, entry
+    chose = [r.getMessage() for r in caplog.records if "its backwards now run" in r.getMessage()]
+    assert len(chose) == 1 and chose[0].endswith("on the eager engine"), chose
+    page = render(build_report_data(), "builtin")
+    assert "runs eagerly, measured faster" in page
+
+
+class _SlowWhenNotTraced(torch.autograd.Function):
+    """Doubles; its backward sleeps 3 ms when it runs for real, not when Dynamo traces it."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        if not torch.compiler.is_compiling():
+            time.sleep(0.003)
+        return grad * 2
+
+
+def test_a_graph_faster_than_eager_stays_compiled() -> None:
+    model = make_mlp()
+
+    def step(i: int) -> torch.Tensor:
+        model.zero_grad(set_to_none=True)
+        x = torch.randn(6, 8, generator=torch.Generator().manual_seed(i))
+        loss = _SlowWhenNotTraced.apply(model(x)).pow(2).sum()
+        loss.backward()
+        return loss
+
+    comparison = ca_testkit.compare(step, "aot_eager", tensors=list(model.parameters()), steps=STEPS)
+    comparison.assert_ok()
+    stats = comparison.stats
+    assert stats["captures"] == 1 and stats["eager_fallbacks"] == 0 and stats["graph_breaks"] == 0, stats
+    # Only the timed eager runs; the 3 backwards after the choice are hits.
+    assert stats["eager_by_choice"] == TIMED and stats["cache_hits"] == WARMUP + TIMED + 3, stats
+    entry = _entry()
+    assert entry.served_by == "compiled" and entry.eager_median_s > entry.compiled_median_s + 0.002, entry
+
+
+def test_eager_if_faster_false_always_runs_the_graph(backend: str) -> None:
+    model = make_mlp()
+    compiler_fn = _slow_graph(backend)
+    comparison = ca_testkit.compare(
+        mlp_step(model), compiler_fn, tensors=list(model.parameters()), steps=STEPS, impl="ca-compiled"
+    )
+    comparison.assert_ok()
+    stats = comparison.stats
+    assert stats["captures"] == 1 and stats["cache_hits"] == STEPS - 1 and stats["eager_by_choice"] == 0, (
+        stats
+    )
+    entry = _entry()
+    assert entry.served_by == "compiled" and entry.eager_runs == 0 and entry.compiled_median_s == 0.0, entry
+
+
+def test_only_plain_backwards_are_timed(backend: str) -> None:
+    """retain_graph=True backwards run compiled while the entry times: no timing is finished."""
+    model = make_mlp()
+
+    def step(i: int) -> torch.Tensor:
+        model.zero_grad(set_to_none=True)
+        x = torch.randn(6, 8, generator=torch.Generator().manual_seed(i))
+        loss = model(x).pow(2).sum()
+        loss.backward(retain_graph=True)
+        return loss
+
+    compiler_fn = _slow_graph(backend)
+    comparison = ca_testkit.compare(step, compiler_fn, tensors=list(model.parameters()), steps=STEPS)
+    comparison.assert_ok()
+    stats = comparison.stats
+    assert stats["cache_hits"] == STEPS - 1 and stats["eager_by_choice"] == 0, stats
+    assert _entry().served_by == "compiled"
+
+
+def test_the_choice_is_per_enable() -> None:
+    """An entry that chose eager runs its graph again under enable(eager_if_faster=False), same cache."""
+    model = make_mlp()
+    step = mlp_step(model)
+    compiler_fn = _slow_graph("eager")
+    with ca_runtime.enable(compiler_fn):
+        for i in range(STEPS):
+            step(i)
+    assert _entry().served_by == "eager"
+    hits = ca_runtime.stats()["cache_hits"]
+    with ca_runtime.enable(compiler_fn, eager_if_faster=False):
+        step(STEPS)
+    assert ca_runtime.stats()["cache_hits"] == hits + 1 and ca_runtime.stats()["captures"] == 1
+
+
+def test_a_users_error_on_the_eager_engine_is_eagers_and_changes_nothing() -> None:
+    model = make_mlp()
+    step = mlp_step(model)
+    fail = [False]
+
+    def hook(grad: torch.Tensor) -> None:
+        if fail[0]:
+            raise ValueError("hook failed on purpose")
+
+    model[0].bias.register_hook(hook)
+    compiler_fn = _slow_graph("eager")
+    with ca_runtime.enable(compiler_fn):
+        for i in range(STEPS):
+            step(i)
+        assert _entry().served_by == "eager"
+        before = ca_runtime.stats()
+        fail[0] = True
+        with pytest.raises(ValueError, match=r"^hook failed on purpose$"):
+            step(STEPS)
+        fail[0] = False
+        loss = step(STEPS + 1)
+        got = [p.grad.clone() for p in model.parameters()]
+    after = ca_runtime.stats()
+    assert after["captures"] == before["captures"] == 1 and after["eager_fallbacks"] == 0, (before, after)
+    assert after["eager_by_choice"] == before["eager_by_choice"] + 2 and _entry().served_by == "eager"
+    with ca_runtime.disable():
+        torch.testing.assert_close(loss, step(STEPS + 1))
+    for g, p in zip(got, model.parameters()):
+        torch.testing.assert_close(g, p.grad)
+
+
+def test_a_torch_compiled_regions_backward_is_not_timed_eagerly() -> None:
+    """Run eagerly, AOTAutograd would compile that region's own backward graph: such graphs stay compiled."""
+    model = make_mlp()
+    compiled_model = torch.compile(model, backend="aot_eager")
+
+    def step(i: int) -> torch.Tensor:
+        model.zero_grad(set_to_none=True)
+        x = torch.randn(6, 8, generator=torch.Generator().manual_seed(i))
+        loss = compiled_model(x).pow(2).sum()
+        loss.backward()
+        return loss
+
+    compiler_fn = _slow_graph("eager")
+    comparison = ca_testkit.compare(step, compiler_fn, tensors=list(model.parameters()), steps=STEPS)
+    comparison.assert_ok()
+    stats = comparison.stats
+    assert stats["eager_by_choice"] == 0 and stats["cache_hits"] == STEPS - 1, stats
+
+
+def test_eager_if_faster_must_be_a_bool() -> None:
+    with pytest.raises(TypeError, match="eager_if_faster must be a bool, got int"):
+        ca_runtime.enable("eager", eager_if_faster=1)  # type: ignore[arg-type]
