@@ -512,8 +512,10 @@ recompiling on a guard failure during the hit): apply_with_saved swaps the
 graph's values into the SavedVariables it looks up by address, and
 ProxyValues finds each value's slot by position, without the dropped
 tensors. It can no longer run eagerly, which a hit never asks of it: eager
-fallbacks only follow a capture or a failed first run, where nothing was
-dropped. Enabled per entry after its first run.
+fallbacks follow a capture or a failed first run, and lookup() sends a
+failed entry's, a compiling graph's or a chosen eager backward to the eager
+engine before this runs; nothing was dropped in any of them. Enabled per
+entry after its first run.
 */
 void free_saved_early(BackwardState& state, const ShadowNode& entry) {
   // See [Note: Nodes that run for real keep their saved tensors].
@@ -551,9 +553,14 @@ is served as any other: the hot path pays one null check.
 
 /// Tells the runtime which way an entry chose (optional report_choice);
 /// the backward has run, so an error there is only printed.
-void report_choice(const ShadowNode& entry, nb::handle runtime) {
+void report_choice(const ShadowNode& entry) {
+  if (g_runtime == nullptr) {
+    return;
+  }
   try {
-    nb::object report = nb::getattr(runtime, "report_choice", nb::none());
+    // The runtime installed now: the run's own may have been uninstalled
+    // while the eager engine ran without the GIL.
+    nb::object report = nb::getattr(nb::handle(g_runtime), "report_choice", nb::none());
     if (!report.is_none()) {
       const HitChoice& c = entry.choice;
       report(entry.id, c.eager, static_cast<double>(c.compiled_median_ns) * 1e-9,
@@ -569,8 +576,28 @@ void record_choice(const BackwardRun& run, bool eager_run, std::chrono::steady_c
   const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
       std::chrono::steady_clock::now() - since);
   if (run.entry_alive() && run.entry->choice.record(eager_run, static_cast<uint64_t>(ns.count()))) {
-    report_choice(*run.entry, run.runtime);
+    report_choice(*run.entry);
   }
+}
+
+/// Whether the walked sizes are those the entry's graph takes (lift_args'
+/// size_values, compared without collecting them); see sizes_match().
+bool walked_sizes_match(const ShadowNode& entry, const BackwardState& state) {
+  size_t i = 0;
+  for (const auto& ns : state.nodes) {
+    if (!ns.collected) {
+      continue;
+    }
+    for (const auto& size : ns.collected->all_size_inputs) {
+      if (i >= entry.expected_sizes.size() ||
+          (size.value != entry.expected_sizes[i] &&
+           !(i < entry.dynamic_sizes.size() && entry.dynamic_sizes[i]))) {
+        return false;
+      }
+      ++i;
+    }
+  }
+  return i == entry.expected_sizes.size();
 }
 
 /// The entry's choice for this backward: its outputs when it ran on the
@@ -578,23 +605,29 @@ void record_choice(const BackwardRun& run, bool eager_run, std::chrono::steady_c
 std::optional<variable_list> serve_by_choice(BackwardRun& run) {
   HitChoice& choice = run.entry->choice;
   const bool plain = !run.state->keep_graph && !run.state->create_graph;
-  switch (choice.next(plain)) {
-    case HitChoice::Serve::kCompiled:
-      return std::nullopt;
-    case HitChoice::Serve::kTimeCompiled:
-      run.timed_since = std::chrono::steady_clock::now();
-      return std::nullopt;
-    case HitChoice::Serve::kEager:
-      ++choice.eager_runs;
-      ++g_counters.eager_by_choice;
-      return run.eager_after_walk();
-    case HitChoice::Serve::kTimeEager:
-      break;
+  const HitChoice::Serve serve = choice.next(plain);
+  if (serve == HitChoice::Serve::kCompiled) {
+    return std::nullopt;
+  }
+  // Sizes the graph was not captured for are a miss (a capture, sizes made
+  // dynamic) whichever way was chosen at the sizes it was timed for.
+  if (!walked_sizes_match(*run.entry, *run.state)) {
+    return std::nullopt;
+  }
+  if (serve == HitChoice::Serve::kTimeCompiled) {
+    run.timed_since = std::chrono::steady_clock::now();
+    return std::nullopt;
   }
   ++choice.eager_runs;
   ++g_counters.eager_by_choice;
+  if (serve == HitChoice::Serve::kEager) {
+    return run.eager_after_walk();
+  }
+  // Timed from after the walk's state is dropped: the compiled run's timer
+  // stops before its state goes too.
+  run.state.reset();
   const auto since = std::chrono::steady_clock::now();
-  variable_list outputs = run.eager_after_walk();
+  variable_list outputs = run_eager(run.root, run.graph_task);
   record_choice(run, true, since);
   return outputs;
 }
@@ -623,6 +656,7 @@ std::optional<variable_list> lookup(BackwardRun& run) {
   run.args = lift_args(*run.state);
   if (!entry.compiled_fn.is_valid() || !sizes_match(entry, run.args.size_values)) {
     explain_sizes(entry, run.args.size_values, *run.state);
+    run.timed_since.reset();  // a capture follows: not a hit to time
     return std::nullopt;
   }
   ++g_counters.cache_hits;

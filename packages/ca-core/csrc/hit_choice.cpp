@@ -34,7 +34,7 @@ HitChoice::Serve HitChoice::next(bool plain) {
     return eager ? Serve::kEager : Serve::kCompiled;
   }
   if (!plain) {
-    return Serve::kCompiled;
+    return eager ? Serve::kEager : Serve::kCompiled;  // not timed: as the last choice
   }
   // Eager, compiled, compiled, eager, eager, compiled, ...: each pair of
   // neighbours has one of each, and each way goes first half the time.

@@ -10,16 +10,19 @@ namespace ca {
 
 /*
 [Note: Eager when it is faster]
-A compiled graph is not always faster than the eager engine: on a small MLP
-Inductor's graph of extern mm calls plus the graph's own call cost lost
-7-10 % to eager (bench/README.md). So each cache entry times both ways and
+A compiled graph is not always faster than the eager engine: on the
+benchmark's small MLP, ours with Inductor's graph ran 7-10 % slower than
+eager (bench/README.md, 2026-12-01). So each cache entry times both ways and
 serves its hits the faster way:
   - after its graph's first run, kWarmupRuns backwards run compiled untimed
     (Dynamo's and the allocator's caches settle);
   - then kTimedRunsPerWay backwards each way are timed, alternating
     eager, compiled, compiled, eager, ... so that drift in the machine's
     speed falls on both alike. Only plain backwards are timed (no
-    retain_graph or create_graph); the others run compiled meanwhile.
+    retain_graph or create_graph); the others run as last chosen
+    (compiled at first) meanwhile. A backward whose sizes the graph was
+    not captured for is a miss as without this (a capture; the count
+    starts again);
     Compiled is timed from lifting the inputs to the end of finish(), eager
     as the engine's whole run; the walk, which both pay, is not in either;
   - the entry runs eagerly from then on if the compiled median exceeds the
@@ -31,10 +34,15 @@ A backward served eagerly is the eager engine's own run, as for a graph
 still compiling (see [Note: Eager while compiling]): nothing is lifted or
 freed early, hooks run where eager runs them, and the walk alone is paid on
 top. Counted in eager_by_choice, not as a hit. The runtime says per capture
-whether its graph may be served so (capture()'s `may_run_eagerly`) and per
-enable() whether any may (its `eager_if_faster`); it is told of each choice
-through the optional report_choice(). A new capture at the entry starts the
-count again.
+whether its graph may be served so (capture()'s `may_run_eagerly`: not a
+graph holding a torch.compile'd region's backward, not one captured in a
+multi-rank process group) and, for the enable() installed now, whether any
+may (its `eager_if_faster`; under False every graph runs compiled and
+nothing is counted). It is told of each choice through the optional
+report_choice(). A new capture at the entry starts the count again.
+Backwards on several threads at one entry time and count in turn under
+the GIL; their runs overlap, so their timings are only as good as the
+machine is quiet.
 */
 /// How one cache entry serves its hits; see [Note: Eager when it is faster].
 struct HitChoice {
@@ -62,11 +70,13 @@ struct HitChoice {
   uint64_t runs = 0;
   /// The value of `runs` after which the next measurement starts.
   uint64_t measure_after = kWarmupRuns;
-  /// The current measurement's timed runs, in ns (empty between measurements).
+  /// The current measurement's timed compiled runs, in ns (empty between measurements).
   std::vector<uint64_t> compiled_ns;
+  /// The current measurement's timed eager runs, in ns (empty between measurements).
   std::vector<uint64_t> eager_ns;
-  /// Medians of the last measurement, in ns (0 before the first).
+  /// Median of the last measurement's compiled runs, in ns (0 before the first).
   uint64_t compiled_median_ns = 0;
+  /// Median of the last measurement's eager runs, in ns (0 before the first).
   uint64_t eager_median_ns = 0;
   /// Backwards run on the eager engine at this entry by choice or to time it.
   uint64_t eager_runs = 0;

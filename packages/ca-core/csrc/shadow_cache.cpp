@@ -447,13 +447,14 @@ struct CacheTreeNode {
   uint32_t num_dynamic_sizes = 0;
   /// Sizes stay static; see [Note: Static when dynamic fails].
   bool static_sizes = false;
-  /// How its hits run: "compiled", "eager" or "" (no graph); see [Note:
-  /// Eager when it is faster].
+  /// What its timing chose: "compiled", "eager" or "" (no graph); see
+  /// [Note: Eager when it is faster].
   std::string served_by;
   /// Backwards it ran on the eager engine by choice or to time it.
   uint64_t eager_runs = 0;
-  /// Medians of its last timing, in seconds (0 before one).
+  /// Median seconds of a compiled backward in its last timing (0 before one).
   double compiled_median_s = 0;
+  /// Median seconds of an eager backward in its last timing (0 before one).
   double eager_median_s = 0;
 };
 

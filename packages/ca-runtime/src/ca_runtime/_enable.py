@@ -345,13 +345,15 @@ class CacheEntry:
     compiler: str
     #: Why it failed (the fallback warning's reason), or "".
     failure: str
-    #: How its backwards run: ``"compiled"``, ``"eager"`` (the eager engine
-    #: measured faster, see ``enable(eager_if_faster=...)``) or ``""`` (no graph).
+    #: What its timing chose: ``"compiled"``, ``"eager"`` (the eager engine
+    #: measured faster, see ``enable(eager_if_faster=...)``; under
+    #: ``eager_if_faster=False`` it runs compiled all the same) or ``""`` (no graph).
     served_by: str = ""
     #: Backwards it ran on the eager engine, by that choice or to time it.
     eager_runs: int = 0
-    #: Median seconds of a compiled and an eager backward in its last timing (0.0 before one).
+    #: Median seconds of a compiled backward in its last timing (0.0 before one).
     compiled_median_s: float = 0.0
+    #: Median seconds of an eager backward in its last timing (0.0 before one).
     eager_median_s: float = 0.0
 
 

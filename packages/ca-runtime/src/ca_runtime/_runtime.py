@@ -265,7 +265,9 @@ class Runtime:
             message = f"ca_runtime: graph break at {brk.node_name} (node {brk.node_index}): {brk.reason}"
             log.info(message)
             warnings.warn(message, GraphBreakWarning, stacklevel=2)
-        may_run_eagerly = self.eager_if_faster and eager_is_cheap and not _in_multi_process_group()
+        # Whether eager_if_faster may apply to this graph; whether it does is
+        # the installed enable()'s (read by ca_core at install).
+        may_run_eagerly = eager_is_cheap and not _in_multi_process_group()
         return (
             compiled,
             captured.leaf_outputs,

@@ -57,12 +57,14 @@ class TreeNode:
     num_sizes: int
     num_dynamic_sizes: int
     static_sizes: bool
-    #: How its backwards run ("compiled", "eager" or "" without a graph) and
-    #: the last timing of both ways (seconds, 0.0 before one); see
+    #: What its timing chose: "compiled", "eager" or "" (no graph); see
     #: ``enable(eager_if_faster=...)``.
     served_by: str = ""
+    #: Backwards it ran on the eager engine, by choice or to time it.
     eager_runs: int = 0
+    #: Median seconds of a compiled backward in its last timing (0.0 before one).
     compiled_median_s: float = 0.0
+    #: Median seconds of an eager backward in its last timing (0.0 before one).
     eager_median_s: float = 0.0
 
 
