@@ -103,6 +103,7 @@ from ca_runtime._log import EagerFallbackWarning, log
 __all__ = [
     "BackgroundInductor",
     "background_counts",
+    "compiles_done",
     "reset_background_counts",
     "take_started",
     "wait_for_background_compiles",
@@ -172,6 +173,18 @@ def take_started() -> list[threading.Thread]:
     threads: list[threading.Thread] = getattr(_started_here, "threads", [])
     _started_here.threads = []
     return threads
+
+
+def compiles_done(threads: list[threading.Thread]) -> bool:
+    """Whether every one of ``threads`` has finished its compile, as ``wait_for_background_compiles`` sees it.
+
+    Not ``Thread.is_alive()``: a thread has stored its kernels (or reported
+    its failure) and left the live set a moment before it exits, and a
+    backward right after ``wait_for_background_compiles()`` must find its
+    graph ready.
+    """
+    with _live_lock:
+        return not any(thread in _live for thread in threads)
 
 
 def _begin(thread: threading.Thread) -> bool:

@@ -62,7 +62,7 @@ import ca_core
 import torch
 
 from ca_runtime._aot import is_aot_backward
-from ca_runtime._background import take_started
+from ca_runtime._background import compiles_done, take_started
 from ca_runtime._capture import UnsupportedNode, build_graph_module
 from ca_runtime._dynamo_direct import wrap_if_dynamo_module
 from ca_runtime._graph_ops import call_user, raised_by_user_code
@@ -350,7 +350,7 @@ class Runtime:
         threads = take_started()
         if not threads or not getattr(self._records, "eager_while_compiling", True):
             return None
-        return lambda: not any(thread.is_alive() for thread in threads)
+        return lambda: compiles_done(threads)
 
     def report_choice(self, entry_id: int, eager: bool, compiled_s: float, eager_s: float) -> None:
         """See [Note: Capture methods]: cache entry ``entry_id`` timed both ways and chose."""
