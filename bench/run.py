@@ -98,6 +98,11 @@ def implementation(impl: str, compiler: Compiler | None) -> Iterator[None]:
             yield
 
 
+def ours_served_by() -> list[str]:
+    """How ours' cache entries with a graph run (``CacheEntry.served_by``), each way once."""
+    return sorted({e.served_by for e in ca_runtime.cache_info() if e.served_by})
+
+
 def _graph_nodes(loss: torch.Tensor) -> int:
     seen, stack = set(), [loss.grad_fn]
     while stack:
@@ -473,7 +478,7 @@ def measure(work: Workload, iters: int, warmup: int = 3) -> dict[str, Any]:
     for impl in IMPLS:
         for _ in range(max(warmup, CHOICE_RUNS) if impl == "ours" else warmup):
             time_backward(work, impl)
-    row["ours_served_by"] = sorted({e.served_by for e in ca_runtime.cache_info() if e.served_by})
+    row["ours_served_by"] = ours_served_by()
     times: dict[str, list[float]] = {impl: [] for impl in IMPLS}
     for _ in range(iters):
         for impl in IMPLS:
@@ -630,7 +635,7 @@ def per_node_fresh(rounds: int) -> dict[str, Any]:
     out: dict[str, Any] = {
         "rounds": rounds,
         **{k: counts[k] for k in ("captures", "cache_hits", "eager_fallbacks", "eager_by_choice")},
-        "ours_served_by": sorted({e.served_by for e in ca_runtime.cache_info() if e.served_by}),
+        "ours_served_by": ours_served_by(),
     }
     for name, stat in stats.items():
         slope = {

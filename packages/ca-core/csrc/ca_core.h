@@ -391,6 +391,8 @@ std::string explain_new_key(
     const NodeSummary& now);
 /// Whether a backward's sizes fit an entry: equal, or dynamic there.
 bool sizes_match(const ShadowNode& entry, const std::vector<int64_t>& sizes);
+/// Whether size input `i` of a backward, `value`, fits the entry (sizes_match per size).
+bool size_fits(const ShadowNode& entry, size_t i, int64_t value);
 /// The lifted tensors' shapes, remembered by an entry at capture.
 std::vector<std::vector<int64_t>> tensor_shapes(const BackwardState& state);
 /// On a miss: which sizes and tensor dims the new graph takes as dynamic.

@@ -580,8 +580,7 @@ void record_choice(const BackwardRun& run, bool eager_run, std::chrono::steady_c
   }
 }
 
-/// Whether the walked sizes are those the entry's graph takes (lift_args'
-/// size_values, compared without collecting them); see sizes_match().
+/// sizes_match() on the walked sizes in lift_args' order, without collecting them.
 bool walked_sizes_match(const ShadowNode& entry, const BackwardState& state) {
   size_t i = 0;
   for (const auto& ns : state.nodes) {
@@ -589,12 +588,9 @@ bool walked_sizes_match(const ShadowNode& entry, const BackwardState& state) {
       continue;
     }
     for (const auto& size : ns.collected->all_size_inputs) {
-      if (i >= entry.expected_sizes.size() ||
-          (size.value != entry.expected_sizes[i] &&
-           !(i < entry.dynamic_sizes.size() && entry.dynamic_sizes[i]))) {
+      if (!size_fits(entry, i++, size.value)) {
         return false;
       }
-      ++i;
     }
   }
   return i == entry.expected_sizes.size();

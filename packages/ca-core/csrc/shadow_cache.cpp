@@ -298,15 +298,20 @@ uint64_t cache_generation(const ShadowNode& root) {
   return g_generation.load() + (it == g_root_drops.end() ? 0 : it->second);
 }
 
-/// Whether a backward's sizes fit an entry: equal, or dynamic there; see
+/// Whether size input `i` fits an entry: equal, or dynamic there; see
 /// [Note: Dynamic sizes].
+bool size_fits(const ShadowNode& entry, size_t i, int64_t value) {
+  return i < entry.expected_sizes.size() &&
+      (value == entry.expected_sizes[i] || (i < entry.dynamic_sizes.size() && entry.dynamic_sizes[i]));
+}
+
+/// Whether a backward's sizes fit an entry: every one, by size_fits().
 bool sizes_match(const ShadowNode& entry, const std::vector<int64_t>& sizes) {
   if (sizes.size() != entry.expected_sizes.size()) {
     return false;
   }
   for (size_t i = 0; i < sizes.size(); ++i) {
-    if (sizes[i] != entry.expected_sizes[i] &&
-        !(i < entry.dynamic_sizes.size() && entry.dynamic_sizes[i])) {
+    if (!size_fits(entry, i, sizes[i])) {
       return false;
     }
   }
@@ -424,6 +429,20 @@ uint64_t next_shadow_node_id() {
 
 namespace {
 
+/// What an entry's timing chose, as cache_tree() and cache_entries() show
+/// it: "compiled", "eager", or "" without a graph; see [Note: Eager when it
+/// is faster].
+const char* served_by(const ShadowNode& node) {
+  if (!node.compiled_fn.is_valid()) {
+    return "";
+  }
+  return node.choice.eager ? "eager" : "compiled";
+}
+
+double seconds(uint64_t ns) {
+  return static_cast<double>(ns) * 1e-9;
+}
+
 /// One node of the cache as cache_tree() shows it (a plain copy).
 struct CacheTreeNode {
   /// ShadowNode::id.
@@ -500,12 +519,10 @@ void register_shadow_cache(nb::module_& m) {
               row.num_dynamic_sizes += d ? 1 : 0;
             }
             row.static_sizes = node->static_sizes;
-            if (row.has_graph) {
-              row.served_by = node->choice.eager ? "eager" : "compiled";
-            }
+            row.served_by = served_by(*node);
             row.eager_runs = node->choice.eager_runs;
-            row.compiled_median_s = static_cast<double>(node->choice.compiled_median_ns) * 1e-9;
-            row.eager_median_s = static_cast<double>(node->choice.eager_median_ns) * 1e-9;
+            row.compiled_median_s = seconds(node->choice.compiled_median_ns);
+            row.eager_median_s = seconds(node->choice.eager_median_ns);
             for (const auto& [_, child] : node->next) {
               stack.emplace_back(child.get(), static_cast<int64_t>(node->id));
             }
@@ -566,10 +583,10 @@ void register_shadow_cache(nb::module_& m) {
               out.append(nb::make_tuple(
                   depth, node->hits, node->failed, dynamic,
                   node->expected_sizes.size(), compiler, node->failure,
-                  node->compiled_fn.is_valid() ? (choice.eager ? "eager" : "compiled") : "",
+                  served_by(*node),
                   choice.eager_runs,
-                  static_cast<double>(choice.compiled_median_ns) * 1e-9,
-                  static_cast<double>(choice.eager_median_ns) * 1e-9));
+                  seconds(choice.compiled_median_ns),
+                  seconds(choice.eager_median_ns)));
             }
             for (const auto& [_, child] : node->next) {
               stack.emplace_back(child.get(), depth + 1);

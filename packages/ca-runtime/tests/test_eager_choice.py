@@ -129,6 +129,7 @@ def test_eager_if_faster_false_always_runs_the_graph(backend: str) -> None:
     assert stats["captures"] == 1 and stats["cache_hits"] == STEPS - 1 and stats["eager_by_choice"] == 0, (
         stats
     )
+    assert stats["eager_fallbacks"] == 0 and stats["graph_breaks"] == 0, stats
     entry = _entry()
     assert entry.served_by == "compiled" and entry.eager_runs == 0 and entry.compiled_median_s == 0.0, entry
 
@@ -149,6 +150,7 @@ def test_only_plain_backwards_are_timed(backend: str) -> None:
     comparison.assert_ok()
     stats = comparison.stats
     assert stats["cache_hits"] == STEPS - 1 and stats["eager_by_choice"] == 0, stats
+    assert stats["eager_fallbacks"] == 0 and stats["graph_breaks"] == 0, stats
     assert _entry().served_by == "compiled"
 
 
@@ -173,7 +175,7 @@ def test_the_choice_is_per_enable() -> None:
         after["cache_hits"] == stats["cache_hits"] + 1
         and after["eager_by_choice"] == stats["eager_by_choice"]
     )
-    assert after["captures"] == 1, after
+    assert after["captures"] == 1 and after["eager_fallbacks"] == 0 and after["graph_breaks"] == 0, after
 
 
 def test_the_schedule_alternates_and_times_again_later() -> None:
@@ -208,6 +210,7 @@ def test_the_schedule_alternates_and_times_again_later() -> None:
     stats = ca_runtime.stats()
     assert stats["captures"] == 1 and stats["cache_hits"] == WARMUP + 2 * TIMED, stats
     assert stats["eager_by_choice"] == steps - 1 - WARMUP - 2 * TIMED, stats
+    assert stats["eager_fallbacks"] == 0 and stats["graph_breaks"] == 0, stats
 
 
 def test_new_sizes_are_a_miss_while_eager_is_chosen(backend: str) -> None:
@@ -221,7 +224,7 @@ def test_new_sizes_are_a_miss_while_eager_is_chosen(backend: str) -> None:
     comparison.assert_ok()
     stats = comparison.stats
     # The new batch size is captured again (its sizes made dynamic), not run eagerly.
-    assert stats["captures"] == 2 and stats["eager_fallbacks"] == 0, stats
+    assert stats["captures"] == 2 and stats["eager_fallbacks"] == 0 and stats["graph_breaks"] == 0, stats
     assert stats["eager_by_choice"] == TIMED + 3, stats
 
 
@@ -273,6 +276,7 @@ def test_a_torch_compiled_regions_backward_is_not_timed_eagerly() -> None:
     comparison.assert_ok()
     stats = comparison.stats
     assert stats["eager_by_choice"] == 0 and stats["cache_hits"] == STEPS - 1, stats
+    assert stats["eager_fallbacks"] == 0 and stats["graph_breaks"] == 0, stats
 
 
 def test_eager_if_faster_must_be_a_bool() -> None:
