@@ -179,6 +179,11 @@ struct BackwardState {
   /// releases them right after, as the eager engine does; see [Note: Nodes
   /// that run for real keep their saved tensors].
   bool release_after_apply = false;
+  /// Emptied AutogradCompilerCalls of earlier backwards, for the next walk's
+  /// nodes; see [Note: Recycled walk state].
+  std::vector<std::unique_ptr<AutogradCompilerCall>> spare_calls;
+  /// Emptied NodeState::tensor_slots vectors, kept for their capacity.
+  std::vector<std::vector<uint32_t>> spare_slots;
 };
 
 /// A fresh ShadowNode::id.

@@ -71,7 +71,7 @@ a new closure registered at the same place is served by the same graph.
 /*
 [Note: Recycled walk state]
 The walk runs on every backward, so what it allocates per node is the hit
-path's cost. Two things keep that down:
+path's cost. Three things keep that down:
   - a BackwardState is not freed after its backward but reset and kept for
     the thread's next one (RecycleBackwardState): its vectors keep their
     capacity, and no large block is freed per backward (freeing one makes
@@ -79,12 +79,38 @@ path's cost. Two things keep that down:
     small allocations of the next walk);
   - the walk's own bookkeeping (node ids, dependencies left, tensor slots)
     lives in open-addressing PointerMaps kept per thread, which allocate
-    nothing per entry.
-The per-node AutogradCompilerCall and CompiledNodeArgs are torch's and are
-still made per node.
+    nothing per entry;
+  - each node's AutogradCompilerCall (torch's type, see [Note: Per-node
+    collection]) and tensor_slots vector are emptied by reset() and handed
+    to a later walk's nodes, so their vectors and hash-map buckets keep
+    their storage. torch_private::clear_compiler_call empties every field
+    to a fresh one's state (item 10 of torch_private.h; its layout is
+    checked at build time). Making and destroying them per node was 7-27 %
+    of a cache hit's own cost (bench/README.md, 2026-12-02). The spares a
+    state keeps are bounded by twice its last backward's node count.
+CompiledNodeArgs (torch's, holding a node's key bytes while the walk follows
+it) is still made per node.
 */
 
 void BackwardState::reset() {
+  // The spares of an earlier, larger graph beyond twice this one's go.
+  const size_t keep = 2 * nodes.size();
+  for (auto& ns : nodes) {
+    if (ns.collected && spare_calls.size() < keep) {
+      torch_private::clear_compiler_call(*ns.collected);
+      spare_calls.push_back(std::move(ns.collected));
+    }
+    if (ns.tensor_slots.capacity() > 0 && spare_slots.size() < keep) {
+      ns.tensor_slots.clear();
+      spare_slots.push_back(std::move(ns.tensor_slots));
+    }
+  }
+  if (spare_calls.size() > keep) {
+    spare_calls.resize(keep);
+  }
+  if (spare_slots.size() > keep) {
+    spare_slots.resize(keep);
+  }
   nodes.clear();
   lifted_tensors.clear();
   num_outputs = 0;
@@ -436,7 +462,17 @@ class GraphWalk {
       }
     }
     ns.is_accumulate_grad = typeid(*fn) == typeid(AccumulateGrad);
-    ns.collected = std::make_unique<AutogradCompilerCall>(SizeInput::STATIC);
+    // See [Note: Recycled walk state].
+    if (state_->spare_calls.empty()) {
+      ns.collected = std::make_unique<AutogradCompilerCall>(SizeInput::STATIC);
+    } else {
+      ns.collected = std::move(state_->spare_calls.back());
+      state_->spare_calls.pop_back();
+    }
+    if (!state_->spare_slots.empty()) {
+      ns.tensor_slots = std::move(state_->spare_slots.back());
+      state_->spare_slots.pop_back();
+    }
     return ns;
   }
 

@@ -87,6 +87,9 @@ using torch::dynamo::autograd::TensorArg;
 using torch::dynamo::autograd::TensorArgs;
 CA_PRIVATE_MEMBER(TensorArgsArgs, TensorArgs, _args)
 CA_PRIVATE_MEMBER(TensorArgsSavedVariables, TensorArgs, _saved_variables)
+CA_PRIVATE_MEMBER(TensorArgsProxies, TensorArgs, _saved_variables_proxies)
+CA_PRIVATE_MEMBER(TensorArgsUndefined, TensorArgs, _undefined)
+CA_PRIVATE_MEMBER(TensorArgsNextId, TensorArgs, _next_id)
 
 using torch::autograd::utils::DelayWarningHandler;
 CA_PRIVATE_MEMBER(HeldWarnings, DelayWarningHandler, warnings_)
@@ -153,6 +156,41 @@ void reset_lifted_saved_variables(const TensorArgs& args) {
   for (const auto& [saved, _] : args.*member_of(TensorArgsSavedVariables{})) {
     const_cast<torch::autograd::SavedVariable*>(saved)->reset_data();
   }
+}
+
+// 10. torch 2.13's layouts: a field added or removed changes a size, and then
+// clear_compiler_call must be checked against the header again.
+static_assert(sizeof(TensorArgs) == 248, "TensorArgs changed: check clear_compiler_call");
+static_assert(
+    sizeof(torch::dynamo::autograd::LiftedIValueArgs) == 64,
+    "LiftedIValueArgs changed: check clear_compiler_call");
+static_assert(
+    sizeof(torch::dynamo::autograd::AutogradCompilerCall) == 680,
+    "AutogradCompilerCall changed: check clear_compiler_call");
+
+void clear_compiler_call(torch::dynamo::autograd::AutogradCompilerCall& call) {
+  TORCH_INTERNAL_ASSERT(call.default_dyn_type == torch::dynamo::autograd::SizeInput::STATIC);
+  call.active_node_call_idx.reset();
+  TensorArgs& args = call.tensor_args;
+  args.inputs.clear();
+  args.input_origins.clear();
+  (args.*member_of(TensorArgsArgs{})).clear();
+  (args.*member_of(TensorArgsSavedVariables{})).clear();
+  (args.*member_of(TensorArgsProxies{})).clear();
+  args.*member_of(TensorArgsUndefined{}) = TensorArg();
+  args.*member_of(TensorArgsNextId{}) = 1;
+  call.all_size_inputs.clear();
+  call.lifted_ivalue_args.args.clear();
+  call.lifted_ivalue_args.next = 0;
+  call.lifted_ivalue_args.args_origins.clear();
+  call.dyn_size_inputs.clear();
+  call.hooks.clear();
+  call.cpp_tensor_pre_hooks.clear();
+  call.packed_inputs.clear();
+  call.node_calls.clear();
+  call.size_input_origins.clear();
+  call.sv_to_hooks.clear();
+  call.pynode_objs.clear();
 }
 
 size_t replay_warnings(DelayWarningHandler& handler) {
@@ -274,6 +312,33 @@ void register_torch_private(nb::module_& m) {
         return found && incomplete && listed && reset && b.defined();
       },
       "7. TensorArgs' private maps: TensorArgs by position, lifted SavedVariables.");
+  m.def(
+      "_private_clear_compiler_call",
+      [](const at::Tensor& a, const at::Tensor& b) {
+        TORCH_CHECK(b.defined() && b.grad_fn(), "needs a tensor with a grad_fn");
+        using torch::dynamo::autograd::AutogradCompilerCall;
+        AutogradCompilerCall used(torch::dynamo::autograd::SizeInput::STATIC);
+        used.set_active_node_call_idx(3);
+        used.tensor_args.add(a);
+        torch::autograd::SavedVariable saved(b, false);
+        used.tensor_args.add(saved, b.grad_fn());
+        used.add_size_input(c10::SymInt(5));
+        used.dyn_size_inputs.push_back(5);
+        used.node_calls.lookup(b.grad_fn());
+        used.hooks.emplace_back(nb::none().inc_ref().ptr(), getPyInterpreter());
+        clear_compiler_call(used);
+        // As a fresh one: nothing held, ids from 1 again, the tensor `a` new.
+        const bool empty = !used.active_node_call_idx && used.tensor_args.inputs.empty() &&
+            used.all_size_inputs.empty() && used.dyn_size_inputs.empty() && used.hooks.empty() &&
+            used.node_calls.empty() && used.lifted_ivalue_args.args.empty() && used.sv_to_hooks.empty() &&
+            used.pynode_objs.empty() && tensor_args_by_position(used.tensor_args, 2)[0] == nullptr;
+        std::vector<std::pair<torch::autograd::SavedVariable*, uint32_t>> slots;
+        const bool no_saved = lifted_saved_variables(used.tensor_args, slots) && slots.empty();
+        const bool fresh_ids = used.tensor_args.add(b).id == 1 && used.tensor_args.add(a).id == 2 &&
+            used.tensor_args.inputs.size() == 2 && !used.tensor_args.lookup(at::Tensor()).defined();
+        return empty && no_saved && fresh_ids;
+      },
+      "10. A used AutogradCompilerCall emptied to a fresh one's state.");
   m.def(
       "_private_add_torch_op",
       [](nb::handle ops, const std::string& name, nb::handle fn) { add_torch_op(ops, name, fn, true); },

@@ -36,6 +36,11 @@
 //      (torch/csrc/autograd/python_hook.h), as in item 3: a leaf's grad_fn
 //      hooks are traced only when all of them are Python's; see [Note: Leaf
 //      node hooks].
+//  10. Every field of AutogradCompilerCall, TensorArgs (private ones reached
+//      like item 5) and LiftedIValueArgs, to empty a used AutogradCompilerCall
+//      back to a fresh one's state while keeping its buffers; see [Note:
+//      Recycled walk state]. The layouts are checked by static_assert, so a
+//      field torch adds fails the build here rather than being left stale.
 // Internal but public in the headers, and used directly where needed:
 // GraphTask's fields (exec_info_, dependencies_, final_callbacks_,
 // keep_graph_, thread_locals_), Engine::set_compiled_autograd and
@@ -95,6 +100,10 @@ bool lifted_saved_variables(
 /// 7. Resets the data of every SavedVariable whose tensor `args` lifted
 /// (those without unpack hooks); allocates nothing (it runs on cache hits).
 void reset_lifted_saved_variables(const torch::dynamo::autograd::TensorArgs& args);
+
+/// 10. Empties `call` to the state of a fresh AutogradCompilerCall(STATIC),
+/// keeping its vectors' and maps' storage.
+void clear_compiler_call(torch::dynamo::autograd::AutogradCompilerCall& call);
 
 /// 8. Re-emits the warnings `handler` held back (DelayWarningHandler::
 /// replay_warnings, which libtorch does not export); returns how many.

@@ -82,6 +82,11 @@ def test_7_tensor_args_private_maps_are_readable() -> None:
     assert _C._private_tensor_args(torch.randn(2), x * 3)
 
 
+def test_10_a_compiler_call_is_emptied_to_a_fresh_ones_state() -> None:
+    x = torch.randn(2, requires_grad=True)
+    assert _C._private_clear_compiler_call(torch.randn(2), x * 3)
+
+
 class _EagerOnly:
     """A runtime for the engine hook that never captures (anomaly mode runs every backward eagerly)."""
 
