@@ -27,7 +27,7 @@ from collections.abc import Callable
 import ca_core
 import ca_runtime
 import torch
-from run import no_work
+from run import chain, no_work
 
 GRAPHS = ("tf", "mlp", "chain")
 
@@ -47,16 +47,8 @@ def make_graph(name: str) -> Callable[[], torch.Tensor]:
         x = torch.randn(4, 16)
         return lambda: model(x).pow(2).mean()
     if name == "chain":
-        w = torch.randn(16, requires_grad=True)
-        factors = [torch.full((16,), 1.0001) for _ in range(200)]
-
-        def chain() -> torch.Tensor:
-            y = w
-            for f in factors:
-                y = y * f
-            return y.sum()
-
-        return chain
+        work = chain(200)
+        return lambda: work.forward(0)
     raise ValueError(f"graph must be one of {', '.join(GRAPHS)}, not {name!r}")
 
 
@@ -89,6 +81,7 @@ def hit_cost(name: str, iters: int, rounds: int) -> dict[str, float]:
         ca_core.set_timing(False)
         stats = ca_runtime.stats()
     assert stats["cache_hits"] == iters * rounds and stats["eager_fallbacks"] == 0, stats
+    assert stats["captures"] == 0 and stats["graph_breaks"] == 0, stats
     result = {
         "ours_us": statistics.median(ours),
         "eager_us": statistics.median(eager),
