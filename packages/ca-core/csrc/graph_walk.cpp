@@ -29,6 +29,21 @@ path has the same aliasing and the graph built for the first stays valid.
 AccumulateGrad's tensors are not graph inputs (the node runs after the graph),
 except the variable of a leaf with post-accumulate-grad hooks.
 
+[Note: Aliases of a saved output]
+A node saving its own output (LogSoftmaxBackward's result, ExpBackward's)
+keeps it without its grad_fn, and every unpack makes a new TensorImpl on the
+same storage, so a tensor saved both as an output and by a later node as an
+input (log_softmax's result, which NllLossBackward saves too) came to the
+graph as two inputs. A compiled graph frees an input after its last use, but
+an input it never reads (Inductor's nll_loss_backward ignores its self)
+lives until the graph returns, and with it the storage both share: 1 MiB
+held through the whole backward of the bench's GPT-style decoder. So the
+walk gives a non-leaf tensor the slot of the first one lifted with the same
+grad_fn when they are the same view (same_tensor_view: storage, offset,
+sizes, strides, dtype, output_nr, conj/neg bits): one input, freed where the
+graph last reads it. A node handed the other alias runs as it is (see
+[Note: Eager fast path]): the values are the same.
+
 [Note: Leaves accumulated in the graph]
 A leaf without C++ grad_fn pre-hooks has its variable lifted (NodeInfo.tensor_slots[0],
 unused graph inputs cost nothing once the capture drops them) and its
@@ -226,6 +241,9 @@ struct WalkScratch {
   PointerMap<NodeMark> nodes;
   /// Per distinct lifted TensorImpl: its graph-input slot.
   PointerMap<uint32_t> slots;
+  /// Per grad_fn: the slot of the first non-leaf tensor lifted with it; see
+  /// [Note: Aliases of a saved output]. Value slot + 1 (0: none yet).
+  PointerMap<uint32_t> output_slots;
   /// Heap of nodes ready to visit, highest sequence_nr first.
   std::vector<Node*> ready;
   /// A walk on this thread is using this scratch.
@@ -320,6 +338,24 @@ void collect_node_call(CompiledNodeArgs& args, NodeState& ns, Node* fn) {
 
 } // namespace
 
+bool same_tensor_view(const at::Tensor& a, const at::Tensor& b) {
+  // See [Note: Aliases of a saved output].
+  if (!a.defined() || !b.defined()) {
+    return false;
+  }
+  const c10::TensorImpl& x = *a.unsafeGetTensorImpl();
+  const c10::TensorImpl& y = *b.unsafeGetTensorImpl();
+  if (x.layout() != c10::kStrided || y.layout() != c10::kStrided || !x.has_storage() ||
+      !y.has_storage() || x.is_python_dispatch() || y.is_python_dispatch() ||
+      x.has_symbolic_sizes_strides() || y.has_symbolic_sizes_strides()) {
+    return false;
+  }
+  return x.storage().unsafeGetStorageImpl() == y.storage().unsafeGetStorageImpl() &&
+      x.storage_offset() == y.storage_offset() && x.dtype() == y.dtype() &&
+      x.sizes() == y.sizes() && x.strides() == y.strides() && x.is_conj() == y.is_conj() &&
+      x.is_neg() == y.is_neg() && a.output_nr() == b.output_nr();
+}
+
 std::string node_type_name(const Node& node) {
   const char* mangled = typeid(node).name();
   int status = 0;
@@ -381,6 +417,7 @@ class GraphWalk {
     state_->nodes.reserve(expected_nodes);
     scratch_.nodes.clear(expected_nodes);
     scratch_.slots.clear(expected_nodes);
+    scratch_.output_slots.clear(expected_nodes);
     scratch_.ready.clear();
   }
   ~GraphWalk() {
@@ -441,10 +478,31 @@ class GraphWalk {
   uint32_t slot_of(const at::Tensor& t) {
     auto [slot, inserted] = scratch_.slots.try_emplace(t.unsafeGetTensorImpl());
     if (inserted) {
-      *slot = static_cast<uint32_t>(state_->lifted_tensors.size());
-      state_->lifted_tensors.push_back(t);
+      *slot = output_alias_slot(t);
+      if (*slot == kNoSlot) {
+        *slot = static_cast<uint32_t>(state_->lifted_tensors.size());
+        state_->lifted_tensors.push_back(t);
+      }
     }
     return *slot;
+  }
+
+  static constexpr uint32_t kNoSlot = UINT32_MAX;
+
+  /// The slot of an earlier alias of `t`, else kNoSlot (recording `t` as the
+  /// first with its grad_fn); see [Note: Aliases of a saved output].
+  uint32_t output_alias_slot(const at::Tensor& t) {
+    Node* grad_fn = t.defined() ? torch::autograd::impl::grad_fn_unsafe(t) : nullptr;
+    if (grad_fn == nullptr) {
+      return kNoSlot;
+    }
+    auto [first, inserted] = scratch_.output_slots.try_emplace(grad_fn);
+    if (inserted) {
+      *first = static_cast<uint32_t>(state_->lifted_tensors.size()) + 1;
+      return kNoSlot;
+    }
+    const uint32_t candidate = *first - 1;
+    return same_tensor_view(state_->lifted_tensors[candidate], t) ? candidate : kNoSlot;
   }
 
   /// Step 1.

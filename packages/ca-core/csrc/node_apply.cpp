@@ -241,7 +241,8 @@ eager backend, compiler_fn returning the graph, the eager side of a graph
 break) -- the node runs as the eager engine runs it, (*node)(grads), without
 SwapSavedVariables, packing or the functional registry. "Exactly" means:
   - no replacement sizes (saved_sizes is None) and no saved-tensor hooks;
-  - each saved tensor is the very tensor the walk lifted (same TensorImpl),
+  - each saved tensor is the very tensor the walk lifted (same TensorImpl,
+    or the same view of its storage: see [Note: Aliases of a saved output]),
     or a real tensor where the node's was freed early (then it is put back
     for the call; see [Note: Freed saved tensors put back]), and each scalar
     equals the node's own;
@@ -308,7 +309,9 @@ FastPath fast_path(
     }
     if (!lifted[i].defined() && tensors[i].defined()) {
       path = FastPath::kPutBack;  // see [Note: Saved tensors freed early] in engine_hook.cpp
-    } else if (tensors[i].unsafeGetTensorImpl() != lifted[i].unsafeGetTensorImpl()) {
+    } else if (
+        tensors[i].unsafeGetTensorImpl() != lifted[i].unsafeGetTensorImpl() &&
+        !same_tensor_view(tensors[i], lifted[i])) {  // see [Note: Aliases of a saved output]
       return FastPath::kNone;
     }
   }

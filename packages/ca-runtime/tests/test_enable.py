@@ -323,6 +323,43 @@ def test_shared_tensors_are_lifted_once_and_aliasing_is_keyed(backend: str) -> N
     assert result.stats["cache_hits"] == 1
 
 
+def test_a_saved_outputs_aliases_are_one_graph_input(backend: str) -> None:
+    """log_softmax's result, saved by LogSoftmaxBackward (as its output) and by NllLossBackward: one input.
+
+    See [Note: Aliases of a saved output] in ca_core: before, each unpack's
+    TensorImpl was an input of its own, two on one storage.
+    """
+    w = torch.randn(4, 6, requires_grad=True)
+    target = torch.tensor([0, 5, 2])
+    inputs_seen: list[list[torch.Tensor]] = []
+
+    def compiler(gm: torch.fx.GraphModule) -> object:
+        compiled = torch.compile(gm, backend=backend, fullgraph=True)
+
+        def run(inputs: list[torch.Tensor], *rest: object) -> object:
+            inputs_seen.append(list(inputs))
+            return compiled(inputs, *rest)
+
+        return run
+
+    def step(i: int) -> torch.Tensor:
+        w.grad = None
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(i))
+        loss = torch.nn.functional.nll_loss(torch.log_softmax(x @ w, dim=1), target)
+        loss.backward()
+        return loss
+
+    result = ca_testkit.compare(step, compiler, tensors={"w": w}, steps=3)
+    result.assert_ok()
+    assert result.stats["captures"] == 1 and result.stats["cache_hits"] == 2
+    assert result.stats["eager_fallbacks"] == 0 and result.stats["graph_breaks"] == 0
+    assert len(inputs_seen) == 3
+    for inputs in inputs_seen:
+        storages = {t.untyped_storage().data_ptr() for t in inputs}
+        assert len(storages) == len(inputs), [tuple(t.shape) for t in inputs]
+        assert any(t.shape == (3, 6) for t in inputs)  # the log-softmax output, lifted once
+
+
 HOOKED_STEPS = {
     "tensor_hook": lambda h, w: h.register_hook(lambda g: g * 3),
     "leaf_tensor_hook": lambda h, w: w.register_hook(lambda g: g + 1),

@@ -66,6 +66,7 @@ from ca_runtime._background import compiles_done, take_started
 from ca_runtime._capture import UnsupportedNode, build_graph_module
 from ca_runtime._dynamo_direct import wrap_if_dynamo_module
 from ca_runtime._graph_ops import call_user, raised_by_user_code
+from ca_runtime._inductor_passes import UNFUSE_LATE_ADDMM
 from ca_runtime._log import EagerFallbackWarning, GraphBreakWarning, log, miss_log
 from ca_runtime._node_runs import fuse_node_runs
 from ca_runtime._report import records
@@ -174,8 +175,23 @@ def _collecting_tracing_cycles() -> Iterator[None]:
 # themselves (in torch._inductor.config or its environment variable; options=
 # of torch.compile are applied inside and win anyway). A recompile Dynamo
 # makes later, on a guard failure during a hit, uses Inductor's defaults.
+# Two more keep a backward's peak memory at eager's (the bench's GPT-style
+# decoder with Inductor: 7.00 MiB above the backward's start against eager's
+# 4.25 before, 4.25 after, in live tensor bytes; bench/README.md, 2026-12-02):
+# post_grad_custom_post_pass is ca_runtime's own pass, see [Note: An
+# accumulated mm computed where its inputs are] (_inductor_passes.py), and
+# allow_buffer_reuse off frees each buffer when it dies, as eager's allocator
+# does: Inductor's reuse keeps a dead buffer until a later kernel writes an
+# output of its size, and in a backward the larger grads allocated in between
+# (a 512x1536 MLP grad between two 512x384 ones) stack on it (0.75 MiB of the
+# decoder's peak). Freeing early never raises the peak; the time of the
+# backwards did not move within the bench's noise (A/B, 2026-12-02).
 #: Inductor options for a captured backward graph's compile; see the Note above.
-BACKWARD_INDUCTOR_OPTIONS: dict[str, object] = {"reorder_for_locality": False}
+BACKWARD_INDUCTOR_OPTIONS: dict[str, object] = {
+    "reorder_for_locality": False,
+    "allow_buffer_reuse": False,
+    "post_grad_custom_post_pass": UNFUSE_LATE_ADDMM,
+}
 
 
 @contextlib.contextmanager

@@ -1,0 +1,74 @@
+"""Inductor graph passes for captured backward graphs; set through BACKWARD_INDUCTOR_OPTIONS (_runtime.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+aten = torch.ops.aten
+
+# [Note: An accumulated mm computed where its inputs are]
+# A weight used twice in the forward (a GPT's embedding tied to its output
+# head) gets two grads in the backward: one early (the head's weight-grad
+# mm, from the loss's grad and the last activation) and one at the end (the
+# embedding's). Our graph sums them where eager's InputBuffer does, when the
+# second arrives, so it holds the early mm's output, as eager does. Inductor's
+# post-grad pattern `add(mm(a, b), c) -> addmm(c, a, b)` (fx_passes/post_grad.py,
+# no option turns it off) moves that mm to the sum: `a` and `b` are then held
+# through the whole backward instead of the smaller output. On the bench's
+# GPT-style decoder that was 1 MiB more at the peak (the 512x512 grad of the
+# logits and the 512x384 last activation, against the 512x384 weight grad).
+# This pass, run after Inductor's patterns (post_grad_custom_post_pass),
+# splits such an addmm back into the mm, placed right after the later of its
+# two matrices, and an add where the addmm was. Only where the addmm's input
+# is computed after both matrices (so it is no bias: a graph input is there first) and
+# the matrices are larger than the output; the split is the mm then add that
+# the captured graph (and eager) computed, the same arithmetic.
+
+
+def _nbytes(node: torch.fx.Node) -> int:
+    val = node.meta.get("val")
+    return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
+
+
+class UnfuseLateAddmm(CustomGraphPass):
+    """See [Note: An accumulated mm computed where its inputs are]."""
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        # Graph inputs are all there from the start.
+        order = {node: -1 if node.op == "placeholder" else i for i, node in enumerate(graph.nodes)}
+        first_computed = next((n for n in graph.nodes if n.op != "placeholder"), None)
+        for node in list(graph.nodes):
+            if node.op != "call_function" or node.target is not aten.addmm.default:
+                continue
+            if len(node.args) != 3 or node.kwargs or not all(isinstance(a, torch.fx.Node) for a in node.args):
+                continue
+            inp, mat1, mat2 = node.args
+            assert (
+                isinstance(inp, torch.fx.Node)
+                and isinstance(mat1, torch.fx.Node)
+                and isinstance(mat2, torch.fx.Node)
+            )
+            ready = mat1 if order[mat1] >= order[mat2] else mat2
+            if order[inp] <= order[ready] or _nbytes(mat1) + _nbytes(mat2) <= _nbytes(node):
+                continue
+            where = first_computed if ready.op == "placeholder" else ready.next
+            with graph.inserting_before(where):
+                mm = graph.call_function(aten.mm.default, (mat1, mat2))
+            with graph.inserting_before(node):
+                add = graph.call_function(aten.add.Tensor, (inp, mm))
+            # Same shape, dtype and (contiguous) layout as the addmm's output.
+            mm.meta = dict(node.meta)
+            add.meta = dict(node.meta)
+            order[mm], order[add] = order[ready], order[node]
+            node.replace_all_uses_with(add)
+            graph.erase_node(node)
+
+    def uuid(self) -> Any:
+        return get_hash_for_files((__file__,))
+
+
+#: The one instance BACKWARD_INDUCTOR_OPTIONS sets (Inductor keys its caches by its uuid).
+UNFUSE_LATE_ADDMM = UnfuseLateAddmm()
