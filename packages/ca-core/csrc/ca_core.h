@@ -302,10 +302,11 @@ BackwardStatePtr walk_graph(
     const torch::autograd::GraphTask& graph_task,
     const torch::autograd::edge_list& output_edges);
 
-/// Demangled C++ type of a node ("torch::autograd::generated::MulBackward0").
 /// Whether `a` and `b` are the same strided view of one storage (an alias of
 /// a saved output); see [Note: Aliases of a saved output] (graph_walk.cpp).
 bool same_tensor_view(const at::Tensor& a, const at::Tensor& b);
+
+/// Demangled C++ type of a node ("torch::autograd::generated::MulBackward0").
 std::string node_type_name(const Node& node);
 
 /// The backward whose compiled graph is running on this thread (or null).

@@ -23,9 +23,9 @@ aten = torch.ops.aten
 # This pass, run after Inductor's patterns (post_grad_custom_post_pass),
 # splits such an addmm back into the mm, placed right after the later of its
 # two matrices, and an add where the addmm was. Only where the addmm's input
-# is computed after both matrices (so it is no bias: a graph input is there first) and
-# the matrices are larger than the output; the split is the mm then add that
-# the captured graph (and eager) computed, the same arithmetic.
+# is computed after both matrices (so it is no bias: a graph input is there
+# first) and the matrices are larger than the output; the split is the mm
+# then add that the captured graph (and eager) computed, the same arithmetic.
 
 
 def _nbytes(node: torch.fx.Node) -> int:
@@ -43,14 +43,15 @@ class UnfuseLateAddmm(CustomGraphPass):
         for node in list(graph.nodes):
             if node.op != "call_function" or node.target is not aten.addmm.default:
                 continue
-            if len(node.args) != 3 or node.kwargs or not all(isinstance(a, torch.fx.Node) for a in node.args):
+            if len(node.args) != 3 or node.kwargs:
                 continue
             inp, mat1, mat2 = node.args
-            assert (
+            if not (
                 isinstance(inp, torch.fx.Node)
                 and isinstance(mat1, torch.fx.Node)
                 and isinstance(mat2, torch.fx.Node)
-            )
+            ):
+                continue
             ready = mat1 if order[mat1] >= order[mat2] else mat2
             if order[inp] <= order[ready] or _nbytes(mat1) + _nbytes(mat2) <= _nbytes(node):
                 continue
