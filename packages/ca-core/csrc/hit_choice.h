@@ -23,8 +23,10 @@ serves its hits the faster way:
     (compiled at first) meanwhile. A backward whose sizes the graph was
     not captured for is a miss as without this (a capture; the count
     starts again);
-    Compiled is timed from lifting the inputs to the end of finish(), eager
-    as the engine's whole run; the walk, which both pay, is not in either;
+    Compiled is timed from the start of the walk to the end of finish(),
+    eager as the engine's whole run: a backward served eagerly is mostly
+    recognised without a walk (see [Note: Eager without the walk] in
+    engine_hook.cpp);
   - the entry runs eagerly from then on if the compiled median exceeds the
     eager one by more than kCompiledMargin; otherwise compiled;
   - the choice is measured again kRemeasureRuns backwards later, the gap
@@ -32,8 +34,8 @@ serves its hits the faster way:
     choice made while the machine was busy elsewhere does not stand forever.
 A backward served eagerly is the eager engine's own run, as for a graph
 still compiling (see [Note: Eager while compiling]): nothing is lifted or
-freed early, hooks run where eager runs them, and the walk alone is paid on
-top. Counted in eager_by_choice, not as a hit. The runtime says per capture
+freed early, hooks run where eager runs them, and at most the walk is paid
+on top. Counted in eager_by_choice, not as a hit. The runtime says per capture
 whether its graph may be served so (capture()'s `may_run_eagerly`: not a
 graph holding a torch.compile'd region's backward, not one captured in a
 multi-rank process group) and, for the enable() installed now, whether any

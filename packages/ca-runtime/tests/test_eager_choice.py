@@ -84,6 +84,57 @@ def test_a_graph_slower_than_eager_runs_on_the_eager_engine(
     assert "runs eagerly, measured faster" in page
 
 
+#: A backward recognised without a walk is walked anyway one time in this
+#: many; see [Note: Eager without the walk] in ca_core.
+WALK_EVERY = 16
+
+
+def test_a_backward_served_eagerly_by_choice_is_recognised_without_a_walk(backend: str) -> None:
+    step, model = _hooked_mlp_step()
+    extra = WALK_EVERY + 1
+    compiler_fn = _slow_graph(backend)  # alive: its cache entries go with it
+    comparison = ca_testkit.compare(step, compiler_fn, tensors=list(model.parameters()), steps=STEPS + extra)
+    comparison.assert_ok()
+    stats = comparison.stats
+    assert stats["captures"] == 1 and stats["eager_fallbacks"] == 0 and stats["graph_breaks"] == 0, stats
+    chosen = 3 + extra
+    assert stats["cache_hits"] == WARMUP + TIMED and stats["eager_by_choice"] == TIMED + chosen, stats
+    # The first chosen run is walked and remembered; then WALK_EVERY - 1
+    # without a walk, one walked, and the rest without.
+    assert stats["eager_without_walk"] == chosen - 2, stats
+    assert _entry().eager_runs == TIMED + chosen
+
+
+def test_a_new_hook_is_captured_within_the_walk_interval_and_runs_meanwhile() -> None:
+    model = make_mlp()
+    plain = mlp_step(model)
+    calls: list[str] = []
+    handles: list[Any] = []
+    hooked_at = STEPS + 2
+
+    def doubling_hook(grad: torch.Tensor) -> torch.Tensor:
+        calls.append("w0")
+        return grad * 2
+
+    def step(i: int) -> tuple[torch.Tensor, list[str]]:
+        calls.clear()
+        if i == 0:  # each run (eager's, ours) starts without the hook
+            for handle in handles:
+                handle.remove()
+        if i == hooked_at:
+            # Same fingerprint, a new key: a leaf's hook is part of its node's key.
+            handles.append(model[0].weight.register_hook(doubling_hook))
+        return plain(i), list(calls)
+
+    steps = hooked_at + WALK_EVERY
+    comparison = ca_testkit.compare(step, _slow_graph("eager"), tensors=list(model.parameters()), steps=steps)
+    comparison.assert_ok()
+    stats = comparison.stats
+    assert stats["eager_without_walk"] > 0, stats
+    # The hooked graph was captured by the walk due at most WALK_EVERY backwards on.
+    assert stats["captures"] == 2 and stats["eager_fallbacks"] == 0 and stats["graph_breaks"] == 0, stats
+
+
 class _SlowWhenNotTraced(torch.autograd.Function):
     """Doubles; its backward sleeps 20 ms when it runs for real, not when Dynamo traces it."""
 

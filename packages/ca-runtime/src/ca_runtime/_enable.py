@@ -313,7 +313,8 @@ def stats() -> dict[str, int]:
     ``eager_while_compiling`` (backwards run on the eager engine meanwhile),
     and ``eager_by_choice`` (backwards at a cache entry run on the eager
     engine because it measured faster there, or to time it; see
-    ``enable(eager_if_faster=...)``).
+    ``enable(eager_if_faster=...)``), of which ``eager_without_walk`` were
+    recognised without walking the graph.
     """
     counters = ca_core.counters()
     return {
@@ -324,6 +325,7 @@ def stats() -> dict[str, int]:
         **background_counts(),
         "eager_while_compiling": counters["eager_while_compiling"],
         "eager_by_choice": counters["eager_by_choice"],
+        "eager_without_walk": counters["eager_without_walk"],
     }
 
 
