@@ -753,10 +753,10 @@ std::optional<variable_list> eager_without_walk(BackwardRun& run) {
   if (serve) {
     ShadowNode& entry = *r->entry;
     HitChoice& choice = entry.choice;
-    serve = choice.eager && choice.eligible && !entry.failed && !entry.compiling.is_valid() &&
-        entry.compiled_fn.is_valid() && choice.runs + 1 <= choice.measure_after;
+    serve = choice.eligible && !entry.failed && !entry.compiling.is_valid() &&
+        entry.compiled_fn.is_valid() && choice.next_is_chosen_eager();
     if (serve) {
-      ++choice.runs;
+      choice.next(true);  // counts the run; kEager, as checked
       ++choice.eager_runs;
       ++g_counters.eager_by_choice;
       ++g_counters.eager_without_walk;

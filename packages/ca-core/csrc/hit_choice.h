@@ -88,6 +88,11 @@ struct HitChoice {
   /// Counts one backward at a ready entry and says how it runs; `plain`: it
   /// may be timed (no retain_graph, no create_graph).
   Serve next(bool plain);
+  /// Whether next() would answer kEager whatever `plain` is (eager chosen,
+  /// no timing due), without counting; see [Note: Eager without the walk].
+  bool next_is_chosen_eager() const {
+    return eager && runs + 1 <= measure_after;
+  }
   /// Records one timed run. True when it completed a measurement, which has
   /// then set `eager` and the medians.
   bool record(bool eager_run, uint64_t ns);
