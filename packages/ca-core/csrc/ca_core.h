@@ -246,6 +246,13 @@ struct ShadowNode {
   /// backward goes eager at once, without a new warning.
   std::vector<std::type_index> walk_failures;
 
+  /// An entry whose hits HitChoice may serve either way: its capture allowed
+  /// eager runs and its graph has run once, is not failed and is not still
+  /// compiling; see [Note: Eager when it is faster] and [Note: Eager without
+  /// the walk].
+  bool may_choose() const {
+    return choice.eligible && !failed && !first_run && !compiling.is_valid() && compiled_fn.is_valid();
+  }
   /// The child for `key`, created (with `created` set) if new.
   ShadowNode* lookup(const CacheKey& key, bool& created);
   void clear();

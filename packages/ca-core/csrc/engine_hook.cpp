@@ -479,17 +479,31 @@ GraphFingerprint fingerprint_of(
 
 /// One backward in flight through the hook; see [Note: The steps of a backward].
 struct BackwardRun {
-  BackwardRun(const c10::intrusive_ptr<Node>& root, const GraphTask& graph_task)
-      : root(root), graph_task(graph_task), runtime(g_runtime), cache(g_cache) {}
+  BackwardRun(
+      const c10::intrusive_ptr<Node>& root,
+      const GraphTask& graph_task,
+      bool accumulate_grad,
+      const torch::autograd::edge_list& output_edges)
+      : root(root),
+        graph_task(graph_task),
+        accumulate_grad(accumulate_grad),
+        output_edges(output_edges),
+        runtime(g_runtime),
+        cache(g_cache) {}
   /// The engine's root node and task (the eager fallback runs them).
   const c10::intrusive_ptr<Node>& root;
   const GraphTask& graph_task;
+  /// The engine's accumulate_grad (backward) and outputs (grad's inputs).
+  bool accumulate_grad;
+  const torch::autograd::edge_list& output_edges;
   /// The installed ca_runtime object (capture, run_first, report_fallback).
   nb::handle runtime;
   /// The root of the cache tree it walks (its compiler's).
   ShadowNode* cache;
-  /// Its GraphTask's fingerprint; see [Note: Eager without the walk].
-  GraphFingerprint fingerprint;
+  /// Its GraphTask's fingerprint, computed only when some fingerprint is
+  /// remembered for its cache or it is to be remembered; see [Note: Eager
+  /// without the walk].
+  std::optional<GraphFingerprint> fingerprint;
   /// The walked backward.
   BackwardStatePtr state;
   /// The cache entry the walk ended at.
@@ -511,6 +525,14 @@ struct BackwardRun {
   /// When the walk began: a timed compiled run includes it; see [Note: Eager
   /// without the walk].
   std::chrono::steady_clock::time_point walk_started;
+  /// The fingerprint, computed on first use. The walk reads the GraphTask
+  /// and the graph without changing them, so it is the same before and after.
+  const GraphFingerprint& fingerprint_now() {
+    if (!fingerprint) {
+      fingerprint = fingerprint_of(*root, graph_task, accumulate_grad, output_edges);
+    }
+    return *fingerprint;
+  }
   /// Whether `entry` still exists.
   bool entry_alive() const {
     return cache_generation(*cache) == generation;
@@ -544,15 +566,12 @@ BackwardState is made active, so nothing else points at it.
 */
 
 /// Step 1. Returns the outputs when the backward already ran eagerly.
-std::optional<variable_list> walk(
-    BackwardRun& run,
-    bool accumulate_grad,
-    const torch::autograd::edge_list& output_edges) {
+std::optional<variable_list> walk(BackwardRun& run) {
   StepTimer timer(g_timings.walk_ns);
   run.walk_started = std::chrono::steady_clock::now();
   const uint64_t walk_generation = cache_generation(*run.cache);
   try {
-    run.state = walk_graph(*run.cache, run.root, run.graph_task, output_edges);
+    run.state = walk_graph(*run.cache, run.root, run.graph_task, run.output_edges);
   } catch (const WalkError& e) {
     if (e.remembered) {
       return run.eager();
@@ -565,7 +584,7 @@ std::optional<variable_list> walk(
     report_fallback(e.node, e.what());
     return outputs;
   }
-  run.state->accumulate_grad = accumulate_grad;
+  run.state->accumulate_grad = run.accumulate_grad;
   run.state->create_graph = c10::GradMode::is_enabled();
   run.entry = run.state->entry;
   run.generation = cache_generation(*run.cache);
@@ -698,6 +717,12 @@ many backwards; eager's results are right for it meanwhile (eager is the
 oracle). Forgotten when the walk of its fingerprint ends anywhere but at a
 choice of eager, and with the cache (cache_generation).
 
+The fingerprint is only computed where it can serve: before the walk
+when some backward under the same cache is remembered (a 4-slot scan
+otherwise, so a compiled hit pays nothing for this), and at the choice of
+eager when it is remembered. The walk only reads the GraphTask and the
+graph, so both give the same fingerprint.
+
 Since choosing eager now saves the walk too, a timed compiled run counts
 from the walk's start; a timed eager run is still the engine's run alone,
 after a walk.
@@ -731,20 +756,32 @@ RememberedEager* remembered_for(const ShadowNode* cache, const GraphFingerprint&
   return nullptr;
 }
 
+/// Whether any backward under `cache` is remembered: only then is a
+/// backward's fingerprint worth computing before its walk.
+bool remembers_any(const ShadowNode* cache) {
+  for (const auto& r : g_remembered_eager) {
+    if (r.cache == cache) {
+      return true;
+    }
+  }
+  return false;
+}
+
 /// After a walk that ended at a choice of eager: remember it.
-void remember_eager_entry(const BackwardRun& run) {
-  RememberedEager* r = remembered_for(run.cache, run.fingerprint);
+void remember_eager_entry(BackwardRun& run) {
+  const GraphFingerprint& f = run.fingerprint_now();
+  RememberedEager* r = remembered_for(run.cache, f);
   if (r == nullptr) {
     r = &g_remembered_eager[g_next_remembered];
     g_next_remembered = (g_next_remembered + 1) % g_remembered_eager.size();
   }
-  *r = RememberedEager{run.cache, run.fingerprint, run.entry, run.generation, 0};
+  *r = RememberedEager{run.cache, f, run.entry, run.generation, 0};
 }
 
 /// The backward run on the eager engine without a walk, if its fingerprint
 /// leads to an entry that chose eager; see [Note: Eager without the walk].
 std::optional<variable_list> eager_without_walk(BackwardRun& run) {
-  RememberedEager* r = remembered_for(run.cache, run.fingerprint);
+  RememberedEager* r = remembered_for(run.cache, run.fingerprint_now());
   if (r == nullptr) {
     return std::nullopt;
   }
@@ -753,8 +790,7 @@ std::optional<variable_list> eager_without_walk(BackwardRun& run) {
   if (serve) {
     ShadowNode& entry = *r->entry;
     HitChoice& choice = entry.choice;
-    serve = choice.eligible && !entry.failed && !entry.compiling.is_valid() &&
-        entry.compiled_fn.is_valid() && choice.next_is_chosen_eager();
+    serve = entry.may_choose() && choice.next_is_chosen_eager();
     if (serve) {
       choice.next(true);  // counts the run; kEager, as checked
       ++choice.eager_runs;
@@ -819,7 +855,7 @@ std::optional<variable_list> lookup(BackwardRun& run) {
     }
     entry.compiling = nb::object();
   }
-  if (g_eager_if_faster && entry.choice.eligible && !entry.first_run && entry.compiled_fn.is_valid()) {
+  if (g_eager_if_faster && entry.may_choose()) {
     if (auto done = serve_by_choice(run)) {
       return done;
     }
@@ -1101,15 +1137,14 @@ variable_list compiled_backward_with_gil(
     ++g_timings.timed_backwards;
   }
   // See [Note: The steps of a backward].
-  BackwardRun run(root, graph_task);
-  if (g_eager_if_faster) {
+  BackwardRun run(root, graph_task, accumulate_grad, output_edges);
+  if (g_eager_if_faster && remembers_any(run.cache)) {
     // See [Note: Eager without the walk].
-    run.fingerprint = fingerprint_of(*root, graph_task, accumulate_grad, output_edges);
     if (auto done = eager_without_walk(run)) {
       return std::move(*done);
     }
   }
-  if (auto done = walk(run, accumulate_grad, output_edges)) {
+  if (auto done = walk(run)) {
     return std::move(*done);
   }
   if (auto done = lookup(run)) {
