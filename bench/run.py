@@ -5,10 +5,13 @@ forward; only ``loss.backward()`` is timed. The first backward of each
 implementation is timed in a process of its own, with a fresh Inductor cache
 directory and Inductor's FX graph cache off, so that none reuses anything
 another compiled (``--first-backward``). Then, in this process, each is
-warmed up and ``--iters`` rounds interleave the three so that drift hits all
-alike. Reports median and min, the ratios ours/eager and
-ours/torch, captures and Dynamo graphs; writes JSON, a markdown table and a
-PNG of per-node overhead against node count.
+warmed up and ``--iters`` rounds interleave them so that drift hits all
+alike, each round in another order (rotated), so that none always runs
+after the same other one. Reports median and min, the ratios ours/eager and
+ours/torch, captures and Dynamo graphs, and ours/eager per round: the
+median of the rounds' own ratios with a bootstrap 95 % interval (see
+``paired_ratio``); writes JSON, a markdown table and a PNG of per-node
+overhead against node count.
 
 A last workload times whole training steps (forward + backward) of a
 decoder whose forward is ``torch.compile``'d with inductor: the backward on
@@ -29,6 +32,7 @@ import dataclasses
 import functools
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -371,8 +375,8 @@ def compiled_training_step(iters: int, warmup: int = 3) -> dict[str, Any]:
             step(impl)
     ca_runtime.wait_for_background_compiles()  # ours-bg's steady state is its compiled one
     times: dict[str, list[tuple[float, float]]] = {impl: [] for impl in STEP_IMPLS}
-    for _ in range(iters):
-        for impl in STEP_IMPLS:
+    for round_nr in range(iters):
+        for impl in rotated(STEP_IMPLS, round_nr):
             times[impl].append(step(impl))
     row["median_s"] = {impl: statistics.median(f + b for f, b in t) for impl, t in times.items()}
     row["min_s"] = {impl: min(f + b for f, b in t) for impl, t in times.items()}
@@ -383,6 +387,8 @@ def compiled_training_step(iters: int, warmup: int = 3) -> dict[str, Any]:
     row["first_ours_over_torch"] = row["first_s"]["ours"] / row["first_s"]["torch"]
     row["first_bg_over_torch"] = row["first_s"]["ours-bg"] / row["first_s"]["torch"]
     row["bg_over_torch"] = med["ours-bg"] / med["torch"]
+    steps = {impl: [f + b for f, b in t] for impl, t in times.items()}
+    row["ours_over_compile_paired"] = paired_ratio(steps["ours"], steps["compile"])
     return row
 
 
@@ -400,7 +406,8 @@ def training_markdown(r: dict[str, Any]) -> str:
                 ),
                 "|---|---|---|---|---|---|---|---|---|---|",
                 f"| {r['workload']} | {m['compile'] * 1e3:.2f} | {m['torch'] * 1e3:.2f} | {m['ours'] * 1e3:.2f} | "
-                f"{r['ours_over_compile']:.2f} | {r['ours_over_torch']:.2f} | "
+                f"{r['ours_over_compile']:.2f} ({_interval(r['ours_over_compile_paired'])} per round) | "
+                f"{r['ours_over_torch']:.2f} | "
                 f"{b['compile'] * 1e3:.1f} / {b['torch'] * 1e3:.1f} / {b['ours'] * 1e3:.1f} | "
                 + " / ".join(f"{f[i]:.1f} ({ff[i]:.1f} + {fb[i]:.1f})" for i in ("compile", "torch", "ours"))
                 + f" | {r['first_ours_over_torch']:.2f} | {r['captures']['torch']} / {r['captures']['ours']} |",
@@ -448,6 +455,35 @@ def reset_all() -> None:
     torch._inductor.codecache.PyCodeCache.cache_clear(purge=True)
 
 
+def rotated(impls: tuple[str, ...], round_nr: int) -> tuple[str, ...]:
+    """``impls`` starting at its ``round_nr``-th: each implementation follows each other one in turn.
+
+    In a fixed order ours always ran right after torch's compiled autograd, whose
+    graph had just left the caches and allocator as it left them.
+    """
+    k = round_nr % len(impls)
+    return impls[k:] + impls[:k]
+
+
+def paired_ratio(num: list[float], den: list[float], resamples: int = 2000) -> dict[str, float]:
+    """Median of the per-round ratios ``num[i] / den[i]`` and a bootstrap 95 % interval of that median.
+
+    A round's two times are taken seconds apart, so their ratio cancels the
+    drift of a shared machine that the ratio of two medians keeps; the
+    interval says how far the median ratio could move in another run of as
+    many rounds. Resampled with a fixed seed: the same times give the same
+    interval.
+    """
+    ratios = [a / b for a, b in zip(num, den, strict=True)]
+    rng = random.Random(0)
+    medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(resamples))
+    return {
+        "median": statistics.median(ratios),
+        "low": medians[int(0.025 * resamples)],
+        "high": medians[int(0.975 * resamples) - 1],
+    }
+
+
 def measure(work: Workload, iters: int, warmup: int = 3) -> dict[str, Any]:
     work.nodes = _graph_nodes(work.forward(0))
     row: dict[str, Any] = {
@@ -481,8 +517,8 @@ def measure(work: Workload, iters: int, warmup: int = 3) -> dict[str, Any]:
             time_backward(work, impl)
     row["ours_served_by"] = ours_served_by()
     times: dict[str, list[float]] = {impl: [] for impl in IMPLS}
-    for _ in range(iters):
-        for impl in IMPLS:
+    for round_nr in range(iters):
+        for impl in rotated(IMPLS, round_nr):
             times[impl].append(time_backward(work, impl))
     row["median_s"] = {impl: statistics.median(t) for impl, t in times.items()}
     row["min_s"] = {impl: min(t) for impl, t in times.items()}
@@ -490,6 +526,8 @@ def measure(work: Workload, iters: int, warmup: int = 3) -> dict[str, Any]:
     row["ours_over_eager"] = med["ours"] / med["eager"]
     row["ours_over_torch"] = med["ours"] / med["torch"]
     row["ours_compiled_over_eager"] = med["ours-compiled"] / med["eager"]
+    row["ours_over_eager_paired"] = paired_ratio(times["ours"], times["eager"])
+    row["ours_compiled_over_eager_paired"] = paired_ratio(times["ours-compiled"], times["eager"])
     return row
 
 
@@ -743,35 +781,36 @@ def batch_sweep(compiler: Compiler, sizes: tuple[int, ...] = (4, 8, 16, 32, 8, 6
     return out
 
 
-def markdown(rows: list[dict[str, Any]], sweep: dict[str, Any], per_node: dict[str, Any]) -> str:
+def _interval(r: dict[str, float]) -> str:
+    return f"{r['median']:.3f} [{r['low']:.3f}, {r['high']:.3f}]"
+
+
+def models_markdown(rows: list[dict[str, Any]], per_node: dict[str, Any]) -> str:
+    """The backward-only workloads' table and the per-node cost from the chains."""
     lines = [
         (
-            "| workload | backend | nodes | eager ms | torch ms | ours ms | ours/eager | ours/torch "
-            "| ours runs | ours always compiled ms (/eager) "
+            "| workload | backend | nodes | eager ms | torch ms | ours ms | ours/eager "
+            "| ours/eager per round [95 % interval] | ours/torch "
+            "| ours runs | ours always compiled ms (/eager) | always compiled/eager per round [95 % interval] "
             "| first backward torch / ours / ours in background s | captures torch / ours "
             "| Dynamo graphs torch / ours |"
         ),
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         m = r["median_s"]
         bg = r["first_s"].get("ours-bg")
         lines.append(
             f"| {r['workload']} | {r['backend']} | {r['nodes']} | {m['eager'] * 1e3:.3f} | {m['torch'] * 1e3:.3f} | "
-            f"{m['ours'] * 1e3:.3f} | {r['ours_over_eager']:.2f} | {r['ours_over_torch']:.2f} | "
-            f"{' and '.join(r.get('ours_served_by', [])) or '-'} | "
+            f"{m['ours'] * 1e3:.3f} | {r['ours_over_eager']:.2f} | {_interval(r['ours_over_eager_paired'])} | "
+            f"{r['ours_over_torch']:.2f} | {' and '.join(r.get('ours_served_by', [])) or '-'} | "
             f"{m['ours-compiled'] * 1e3:.3f} ({r['ours_compiled_over_eager']:.2f}) | "
+            f"{_interval(r['ours_compiled_over_eager_paired'])} | "
             f"{r['first_s']['torch']:.2f} / {r['first_s']['ours']:.2f} / {'-' if bg is None else f'{bg:.2f}'} | "
             f"{r['captures'].get('torch', '-')} / {r['captures'].get('ours', '-')} | "
             f"{r['dynamo_graphs'].get('torch', '-')} / {r['dynamo_graphs'].get('ours', '-')} |"
         )
     lines += [
-        "",
-        (
-            f"Batch sweep {sweep['workload']}: torch {sweep['torch']['captures']} captures / "
-            f"{sweep['torch']['dynamo_graphs']} Dynamo graphs; ours {sweep['ours']['captures']} captures / "
-            f"{sweep['ours']['dynamo_graphs']} Dynamo graphs."
-        ),
         "",
         "Per-node cost from the chain workloads (slope between N=10 and N=1000, of median and of minimum times):",
         "",
@@ -788,6 +827,19 @@ def markdown(rows: list[dict[str, Any]], sweep: dict[str, Any], per_node: dict[s
             f"{v['ours-compiled'] - v['eager']:.2f} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def markdown(rows: list[dict[str, Any]], sweep: dict[str, Any], per_node: dict[str, Any]) -> str:
+    """The full run's tables: models_markdown and the batch sweep."""
+    return (
+        models_markdown(rows, per_node)
+        + "\n"
+        + (
+            f"Batch sweep {sweep['workload']}: torch {sweep['torch']['captures']} captures / "
+            f"{sweep['torch']['dynamo_graphs']} Dynamo graphs; ours {sweep['ours']['captures']} captures / "
+            f"{sweep['ours']['dynamo_graphs']} Dynamo graphs.\n"
+        )
+    )
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> bool:
@@ -858,8 +910,9 @@ def main() -> None:
     )
     parser.add_argument(
         "--only",
-        choices=("training", "report-overhead", "memory", "checkpoint", "per-node"),
-        help="run one measurement alone: the compiled training step, the report's cost on cache hits, "
+        choices=("training", "models", "report-overhead", "memory", "checkpoint", "per-node"),
+        help="run one measurement alone: the compiled training step, the backward-only workloads (models and "
+        "chains, without the batch sweep), the report's cost on cache hits, "
         "the peak memory of a backward, checkpointed regions recomputed in the graph or behind breaks, "
         "or the per-node cost with backend eager in a fresh process (--iters 10x rounds)",
     )
@@ -907,8 +960,9 @@ def main() -> None:
         print(checkpoint_markdown(rows))
         return
 
-    training = compiled_training_step(args.iters)
-    print(training_markdown(training), flush=True)
+    training = compiled_training_step(args.iters) if args.only != "models" else None
+    if training is not None:
+        print(training_markdown(training), flush=True)
     if args.only == "training":
         (out / "training.json").write_text(json.dumps(training, indent=1))
         (out / "training.md").write_text(training_markdown(training))
@@ -926,7 +980,7 @@ def main() -> None:
             flush=True,
         )
     work = make_workload("transformer", "aot_eager")
-    rows.append({**measure(work, 5, warmup=1), "backend": "aot_eager"})
+    rows.append({**measure(work, args.iters), "backend": "aot_eager"})
     for n in (10, 100, 1000):
         for name in ("eager", "no-work"):
             work = make_workload(f"chain{n}", name)
@@ -948,6 +1002,10 @@ def main() -> None:
                 impl: per_node_us(small[stat][impl], large[stat][impl], small["nodes"], large["nodes"])
                 for impl in IMPLS
             }
+    if training is None:  # --only models
+        (out / "models.json").write_text(json.dumps({"rows": rows, "per_node_us": per_node}, indent=1))
+        print(models_markdown(rows, per_node))
+        return
     sweep = batch_sweep(backend("aot_eager"))
     (out / "results.json").write_text(
         json.dumps(

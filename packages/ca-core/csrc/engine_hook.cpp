@@ -666,7 +666,7 @@ void report_choice(const ShadowNode& entry) {
     if (!report.is_none()) {
       const HitChoice& c = entry.choice;
       report(entry.id, c.eager, static_cast<double>(c.compiled_median_ns) * 1e-9,
-             static_cast<double>(c.eager_median_ns) * 1e-9);
+             static_cast<double>(c.eager_median_ns) * 1e-9, c.compiled_over_eager);
     }
   } catch (nb::python_error& e) {
     e.discard_as_unraisable("ca_core: report_choice");

@@ -9,19 +9,34 @@ namespace ca {
 
 namespace {
 
-/// The median of `ns` (reorders it); its size is kTimedRunsPerWay > 0.
-uint64_t median(std::vector<uint64_t>& ns) {
-  const std::size_t mid = ns.size() / 2;
-  std::nth_element(ns.begin(), ns.begin() + static_cast<std::ptrdiff_t>(mid), ns.end());
-  const uint64_t upper = ns[mid];
-  if (ns.size() % 2 != 0) {
+/// The median of `values` (reorders them); there is at least one.
+template <typename T>
+T median(std::vector<T>& values) {
+  const std::size_t mid = values.size() / 2;
+  std::nth_element(values.begin(), values.begin() + static_cast<std::ptrdiff_t>(mid), values.end());
+  const T upper = values[mid];
+  if (values.size() % 2 != 0) {
     return upper;
   }
-  const uint64_t lower = *std::max_element(ns.begin(), ns.begin() + static_cast<std::ptrdiff_t>(mid));
+  const T lower = *std::max_element(values.begin(), values.begin() + static_cast<std::ptrdiff_t>(mid));
   return lower + (upper - lower) / 2;
 }
 
 } // namespace
+
+HitChoice::Decision HitChoice::decide(
+    const std::vector<uint64_t>& compiled_ns,
+    const std::vector<uint64_t>& eager_ns) {
+  // The k-th runs of each way are neighbours in next()'s schedule.
+  std::vector<double> ratios(compiled_ns.size());
+  for (std::size_t k = 0; k < ratios.size(); ++k) {
+    ratios[k] = static_cast<double>(compiled_ns[k]) / static_cast<double>(std::max<uint64_t>(eager_ns[k], 1));
+  }
+  Decision d;
+  d.compiled_over_eager = median(ratios);
+  d.eager = !(d.compiled_over_eager < 1.0 - kCompiledMargin);
+  return d;
+}
 
 void HitChoice::reset(bool may_run_eagerly) {
   *this = HitChoice();
@@ -55,10 +70,12 @@ bool HitChoice::record(bool eager_run, uint64_t ns) {
   if (compiled_ns.size() < kTimedRunsPerWay || eager_ns.size() < kTimedRunsPerWay) {
     return false;
   }
+  // Paired before the medians reorder the vectors.
+  const Decision decision = decide(compiled_ns, eager_ns);
+  eager = decision.eager;
+  compiled_over_eager = decision.compiled_over_eager;
   compiled_median_ns = median(compiled_ns);
   eager_median_ns = median(eager_ns);
-  eager = static_cast<double>(compiled_median_ns) >
-      static_cast<double>(eager_median_ns) * (1.0 + kCompiledMargin);
   compiled_ns = std::vector<uint64_t>();
   eager_ns = std::vector<uint64_t>();
   measure_after = runs + (kRemeasureRuns << std::min(measurements, kMaxRemeasureShift));

@@ -27,8 +27,16 @@ serves its hits the faster way:
     eager as the engine's whole run: a backward served eagerly is mostly
     recognised without a walk (see [Note: Eager without the walk] in
     engine_hook.cpp);
-  - the entry runs eagerly from then on if the compiled median exceeds the
-    eager one by more than kCompiledMargin; otherwise compiled;
+  - the entry runs compiled from then on only if compiled is faster by
+    more than kCompiledMargin, judged by the median of the paired ratios
+    (the k-th timed compiled run over the k-th timed eager run, neighbours
+    in the schedule), and eagerly otherwise. Paired ratios cancel the drift
+    of a shared machine that two medians taken over 16 backwards keep, and
+    a tie goes to eager: a graph that is not measurably faster than the
+    eager engine has nothing to gain, and "never slower than eager" is the
+    promise (bench/README.md, 2026-12-02 "Paired ratios": the transformer's
+    graph 3.5 % slower than eager was kept compiled under the old rule,
+    compiled unless more than 1 % slower by medians);
   - the choice is measured again kRemeasureRuns backwards later, the gap
     doubling each time up to kRemeasureRuns << kMaxRemeasureShift, so that a
     choice made while the machine was busy elsewhere does not stand forever.
@@ -52,7 +60,7 @@ struct HitChoice {
   static constexpr uint64_t kWarmupRuns = 4;
   /// Timed backwards per way in one measurement.
   static constexpr std::size_t kTimedRunsPerWay = 8;
-  /// Compiled stays chosen unless its median exceeds eager's by this fraction.
+  /// Compiled is chosen only if its median paired ratio to eager is below 1 - this.
   static constexpr double kCompiledMargin = 0.01;
   /// Backwards between the first measurement and the second.
   static constexpr uint64_t kRemeasureRuns = 500;
@@ -80,6 +88,8 @@ struct HitChoice {
   uint64_t compiled_median_ns = 0;
   /// Median of the last measurement's eager runs, in ns (0 before the first).
   uint64_t eager_median_ns = 0;
+  /// Median of the last measurement's paired ratios compiled / eager (0 before the first).
+  double compiled_over_eager = 0.0;
   /// Backwards run on the eager engine at this entry by choice or to time it.
   uint64_t eager_runs = 0;
 
@@ -96,6 +106,17 @@ struct HitChoice {
   /// Records one timed run. True when it completed a measurement, which has
   /// then set `eager` and the medians.
   bool record(bool eager_run, uint64_t ns);
+
+  /// What one measurement decides; see [Note: Eager when it is faster].
+  struct Decision {
+    /// Run on the eager engine: compiled is not faster by kCompiledMargin.
+    bool eager = true;
+    /// Median of the paired ratios compiled_ns[k] / eager_ns[k].
+    double compiled_over_eager = 0.0;
+  };
+  /// The decision from timed runs of each way, the k-th of each neighbours in
+  /// the schedule; the two are equally long and not empty.
+  static Decision decide(const std::vector<uint64_t>& compiled_ns, const std::vector<uint64_t>& eager_ns);
 };
 
 } // namespace ca

@@ -475,11 +475,28 @@ struct CacheTreeNode {
   double compiled_median_s = 0;
   /// Median seconds of an eager backward in its last timing (0 before one).
   double eager_median_s = 0;
+  /// Median of its last timing's paired ratios compiled / eager, which
+  /// decided (0 before one); see [Note: Eager when it is faster].
+  double compiled_over_eager = 0;
 };
 
 } // namespace
 
 void register_shadow_cache(nb::module_& m) {
+  m.def(
+      "hit_choice_decision",
+      [](const std::vector<uint64_t>& compiled_ns, const std::vector<uint64_t>& eager_ns) {
+        if (compiled_ns.empty() || compiled_ns.size() != eager_ns.size()) {
+          throw nb::value_error(
+              "hit_choice_decision: compiled_ns and eager_ns must be equally long and not empty");
+        }
+        const HitChoice::Decision d = HitChoice::decide(compiled_ns, eager_ns);
+        return nb::make_tuple(d.eager, d.compiled_over_eager);
+      },
+      nb::arg("compiled_ns"),
+      nb::arg("eager_ns"),
+      "(eager, compiled_over_eager): what a cache entry decides from timed runs of "
+      "each way, the k-th of each neighbours in time; see [Note: Eager when it is faster].");
   nb::class_<CacheTreeNode>(m, "CacheTreeNode", "One node of the shadow-graph cache (cache_tree()).")
       .def_ro("id", &CacheTreeNode::id)
       .def_ro("parent", &CacheTreeNode::parent)
@@ -495,7 +512,8 @@ void register_shadow_cache(nb::module_& m) {
       .def_ro("served_by", &CacheTreeNode::served_by)
       .def_ro("eager_runs", &CacheTreeNode::eager_runs)
       .def_ro("compiled_median_s", &CacheTreeNode::compiled_median_s)
-      .def_ro("eager_median_s", &CacheTreeNode::eager_median_s);
+      .def_ro("eager_median_s", &CacheTreeNode::eager_median_s)
+      .def_ro("compiled_over_eager", &CacheTreeNode::compiled_over_eager);
   m.def(
       "cache_tree",
       []() {
@@ -523,6 +541,7 @@ void register_shadow_cache(nb::module_& m) {
             row.eager_runs = node->choice.eager_runs;
             row.compiled_median_s = seconds(node->choice.compiled_median_ns);
             row.eager_median_s = seconds(node->choice.eager_median_ns);
+            row.compiled_over_eager = node->choice.compiled_over_eager;
             for (const auto& [_, child] : node->next) {
               stack.emplace_back(child.get(), static_cast<int64_t>(node->id));
             }
@@ -586,7 +605,8 @@ void register_shadow_cache(nb::module_& m) {
                   served_by(*node),
                   choice.eager_runs,
                   seconds(choice.compiled_median_ns),
-                  seconds(choice.eager_median_ns)));
+                  seconds(choice.eager_median_ns),
+                  choice.compiled_over_eager));
             }
             for (const auto& [_, child] : node->next) {
               stack.emplace_back(child.get(), depth + 1);
@@ -596,8 +616,9 @@ void register_shadow_cache(nb::module_& m) {
         return out;
       },
       "(key_path_length, hits, failed, num_dynamic_sizes, num_sizes, compiler, "
-      "failure, served_by, eager_runs, compiled_median_s, eager_median_s) of "
-      "every cache entry; see [Note: Eager when it is faster] for the last four.");
+      "failure, served_by, eager_runs, compiled_median_s, eager_median_s, "
+      "compiled_over_eager) of every cache entry; see [Note: Eager when it is "
+      "faster] for the last five.");
 }
 
 } // namespace ca

@@ -71,6 +71,34 @@ def test_walk_describes_nodes_in_eager_order_and_remembers_failure() -> None:
     assert acc.is_accumulate_grad and acc.type_name == "torch::autograd::AccumulateGrad"
     assert ca_core.counters()["eager_fallbacks"] == 2
     # A failed entry: no graph, so served by nothing, never timed.
-    assert ca_core.cache_entries() == [(5, 0, True, 0, 0, "default", "", "", 0, 0.0, 0.0)]
+    assert ca_core.cache_entries() == [(5, 0, True, 0, 0, "default", "", "", 0, 0.0, 0.0, 0.0)]
     ca_core.clear_cache()
     assert ca_core.cache_entries() == []
+
+
+#: (compiled_ns, eager_ns, expected eager, expected compiled_over_eager): a tie
+#: and a gain under 1 % go to eager, see [Note: Eager when it is faster].
+_DECISIONS = {
+    "tie": ([1000] * 8, [1000] * 8, True, 1.0),
+    "compiled 0.5 % faster": ([995] * 8, [1000] * 8, True, 0.995),
+    "compiled 2 % faster": ([980] * 8, [1000] * 8, False, 0.98),
+    "compiled 2 % slower": ([1020] * 8, [1000] * 8, True, 1.02),
+    # The machine's speed changes threefold between pairs; within each pair
+    # compiled is 3 % faster.
+    "drift between pairs": ([970, 2910] * 4, [1000, 3000] * 4, False, 0.97),
+    # One compiled run preempted: the median ratio ignores it.
+    "one outlier": ([970] * 7 + [9000], [1000] * 8, False, 0.97),
+}
+
+
+@pytest.mark.parametrize("case", list(_DECISIONS))
+def test_hit_choice_decides_by_paired_ratio_and_a_tie_runs_eagerly(case: str) -> None:
+    compiled_ns, eager_ns, eager, ratio = _DECISIONS[case]
+    assert ca_core._C.hit_choice_decision(compiled_ns, eager_ns) == (eager, pytest.approx(ratio))
+
+
+def test_hit_choice_decision_rejects_unpaired_timings() -> None:
+    with pytest.raises(ValueError, match="equally long"):
+        ca_core._C.hit_choice_decision([1, 2], [1])
+    with pytest.raises(ValueError, match="equally long"):
+        ca_core._C.hit_choice_decision([], [])

@@ -48,7 +48,7 @@ class EngineRuntime(Protocol):
     # Optional: ``take_compiling() -> Callable[[], bool] | None``, called after a
     # first run that succeeded; see [Note: Eager while compiling] in engine_hook.cpp.
     # Optional: ``eager_if_faster: bool`` (read at install) and
-    # ``report_choice(entry_id, eager, compiled_s, eager_s) -> None``; see
+    # ``report_choice(entry_id, eager, compiled_s, eager_s, compiled_over_eager) -> None``; see
     # [Note: Eager when it is faster] in hit_choice.h.
 
     def report_fallback(self, node: str, reason: str) -> None:

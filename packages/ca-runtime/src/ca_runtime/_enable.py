@@ -312,7 +312,7 @@ def stats() -> dict[str, int]:
     ``uncompiled_runs`` (graph calls run op by op while theirs went on) and
     ``eager_while_compiling`` (backwards run on the eager engine meanwhile),
     and ``eager_by_choice`` (backwards at a cache entry run on the eager
-    engine because it measured faster there, or to time it; see
+    engine because its graph was not measurably faster, or to time it; see
     ``enable(eager_if_faster=...)``), of which ``eager_without_walk`` were
     recognised without walking the graph.
     """
@@ -347,8 +347,8 @@ class CacheEntry:
     compiler: str
     #: Why it failed (the fallback warning's reason), or "".
     failure: str
-    #: What its timing chose: ``"compiled"``, ``"eager"`` (the eager engine
-    #: measured faster, see ``enable(eager_if_faster=...)``; under
+    #: What its timing chose: ``"compiled"``, ``"eager"`` (compiled was not
+    #: measurably faster, see ``enable(eager_if_faster=...)``; under
     #: ``eager_if_faster=False`` it runs compiled all the same) or ``""`` (no graph).
     served_by: str = ""
     #: Backwards it ran on the eager engine, by that choice or to time it.
@@ -357,6 +357,9 @@ class CacheEntry:
     compiled_median_s: float = 0.0
     #: Median seconds of an eager backward in its last timing (0.0 before one).
     eager_median_s: float = 0.0
+    #: Median of its last timing's per-pair ratios, compiled over eager: it runs
+    #: compiled only below 0.99 (0.0 before a timing).
+    compiled_over_eager: float = 0.0
 
 
 def cache_info() -> list[CacheEntry]:

@@ -30,7 +30,7 @@ which mypy checks ``Runtime`` against):
   are ready, or None; see [Note: Eager while compiling] in ca_core and
   [Note: Compiling in the background] in _background.py. Optional: a runtime
   without it compiles nothing in the background.
-- ``report_choice(entry_id, eager, compiled_s, eager_s)``: a cache entry has
+- ``report_choice(entry_id, eager, compiled_s, eager_s, compiled_over_eager)``: a cache entry has
   timed its hits both ways and chose (logged at INFO). Optional, as is the
   attribute ``eager_if_faster`` that ca_core reads at install (absent: off).
 - ``report_fallback(node, reason)``: ca_core could not even walk the graph.
@@ -368,14 +368,17 @@ class Runtime:
             return None
         return lambda: compiles_done(threads)
 
-    def report_choice(self, entry_id: int, eager: bool, compiled_s: float, eager_s: float) -> None:
+    def report_choice(
+        self, entry_id: int, eager: bool, compiled_s: float, eager_s: float, compiled_over_eager: float
+    ) -> None:
         """See [Note: Capture methods]: cache entry ``entry_id`` timed both ways and chose."""
         log.info(
             "ca_runtime: cache entry %d: a backward takes %.3g ms compiled, %.3g ms on the eager engine "
-            "(medians); its backwards now run %s",
+            "(medians), compiled/eager %.3f (median of paired runs); its backwards now run %s",
             entry_id,
             compiled_s * 1e3,
             eager_s * 1e3,
+            compiled_over_eager,
             "on the eager engine" if eager else "compiled",
         )
 

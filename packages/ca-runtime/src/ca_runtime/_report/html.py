@@ -207,9 +207,14 @@ def _cache_tree(data: ReportData) -> str:
         if end.static_sizes:
             badges.append('<span class="badge">static sizes (a dynamic graph failed)</span>')
         if end.compiled_median_s and end.eager_median_s:
-            timing = f"compiled {_seconds(end.compiled_median_s)}, eager {_seconds(end.eager_median_s)}"
+            timing = (
+                f"compiled {_seconds(end.compiled_median_s)}, eager {_seconds(end.eager_median_s)}, "
+                f"compiled/eager {end.compiled_over_eager:.3f} paired"
+            )
             if end.served_by == "eager":
-                badges.append(f'<span class="badge eager">runs eagerly, measured faster ({timing})</span>')
+                badges.append(
+                    f'<span class="badge eager">runs eagerly, compiled not measurably faster ({timing})</span>'
+                )
             else:
                 badges.append(f'<span class="badge">runs compiled ({timing})</span>')
         if end.failed:

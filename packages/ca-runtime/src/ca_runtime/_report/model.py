@@ -66,6 +66,8 @@ class TreeNode:
     compiled_median_s: float = 0.0
     #: Median seconds of an eager backward in its last timing (0.0 before one).
     eager_median_s: float = 0.0
+    #: Median of its last timing's paired ratios compiled / eager (0.0 before one).
+    compiled_over_eager: float = 0.0
 
 
 @dataclasses.dataclass
@@ -203,6 +205,7 @@ def build_report_data() -> ReportData:
                 eager_runs=n.eager_runs,
                 compiled_median_s=n.compiled_median_s,
                 eager_median_s=n.eager_median_s,
+                compiled_over_eager=n.compiled_over_eager,
             )
             for n in ca_core.cache_tree()
         ],
