@@ -4,6 +4,7 @@
 #include "hit_choice.h"
 
 #include <algorithm>
+#include <cmath>
 
 namespace ca {
 
@@ -35,6 +36,8 @@ HitChoice::Decision HitChoice::decide(
   Decision d;
   d.compiled_over_eager = median(ratios);
   d.eager = !(d.compiled_over_eager < 1.0 - kCompiledMargin);
+  d.undecided = ratios.size() < kMaxTimedRunsPerWay &&
+      std::abs(d.compiled_over_eager - 1.0) < kUndecidedBand;
   return d;
 }
 
@@ -55,7 +58,7 @@ HitChoice::Serve HitChoice::next(bool plain) {
   // neighbours has one of each, and each way goes first half the time.
   const std::size_t n = compiled_ns.size() + eager_ns.size();
   const bool eager_turn = ((n + 1) / 2) % 2 == 0;
-  if (eager_turn ? eager_ns.size() < kTimedRunsPerWay : compiled_ns.size() >= kTimedRunsPerWay) {
+  if (eager_turn ? eager_ns.size() < timed_per_way : compiled_ns.size() >= timed_per_way) {
     return Serve::kTimeEager;
   }
   return Serve::kTimeCompiled;
@@ -63,15 +66,20 @@ HitChoice::Serve HitChoice::next(bool plain) {
 
 bool HitChoice::record(bool eager_run, uint64_t ns) {
   std::vector<uint64_t>& sink = eager_run ? eager_ns : compiled_ns;
-  if (sink.size() >= kTimedRunsPerWay) {
+  if (sink.size() >= timed_per_way) {
     return false;
   }
   sink.push_back(ns);
-  if (compiled_ns.size() < kTimedRunsPerWay || eager_ns.size() < kTimedRunsPerWay) {
+  if (compiled_ns.size() < timed_per_way || eager_ns.size() < timed_per_way) {
     return false;
   }
   // Paired before the medians reorder the vectors.
   const Decision decision = decide(compiled_ns, eager_ns);
+  if (decision.undecided) {
+    timed_per_way += kTimedRunsPerWay;
+    return false;
+  }
+  timed_per_way = kTimedRunsPerWay;
   eager = decision.eager;
   compiled_over_eager = decision.compiled_over_eager;
   compiled_median_ns = median(compiled_ns);

@@ -36,7 +36,12 @@ serves its hits the faster way:
     eager engine has nothing to gain, and "never slower than eager" is the
     promise (bench/README.md, 2026-12-02 "Paired ratios": the transformer's
     graph 3.5 % slower than eager was kept compiled under the old rule,
-    compiled unless more than 1 % slower by medians);
+    compiled unless more than 1 % slower by medians). A measurement whose
+    ratio is within kUndecidedBand of 1 is undecided: it times
+    kTimedRunsPerWay more runs each way, up to kMaxTimedRunsPerWay, and
+    then decides over all its pairs, so that a difference of 1-3 %, where
+    8 pairs on a shared machine often point the wrong way, gets up to three
+    times the evidence;
   - the choice is measured again kRemeasureRuns backwards later, the gap
     doubling each time up to kRemeasureRuns << kMaxRemeasureShift, so that a
     choice made while the machine was busy elsewhere does not stand forever.
@@ -58,8 +63,14 @@ machine is quiet.
 struct HitChoice {
   /// Backwards run compiled, untimed, before the first measurement.
   static constexpr uint64_t kWarmupRuns = 4;
-  /// Timed backwards per way in one measurement.
+  /// Timed backwards per way in one measurement, and the step by which an
+  /// undecided one grows.
   static constexpr std::size_t kTimedRunsPerWay = 8;
+  /// Timed backwards per way at most in one measurement.
+  static constexpr std::size_t kMaxTimedRunsPerWay = 24;
+  /// A paired ratio within this of 1 is undecided while fewer than
+  /// kMaxTimedRunsPerWay pairs are timed.
+  static constexpr double kUndecidedBand = 0.03;
   /// Compiled is chosen only if its median paired ratio to eager is below 1 - this.
   static constexpr double kCompiledMargin = 0.01;
   /// Backwards between the first measurement and the second.
@@ -80,6 +91,8 @@ struct HitChoice {
   uint64_t runs = 0;
   /// The value of `runs` after which the next measurement starts.
   uint64_t measure_after = kWarmupRuns;
+  /// Timed runs per way the current measurement takes (grows while undecided).
+  std::size_t timed_per_way = kTimedRunsPerWay;
   /// The current measurement's timed compiled runs, in ns (empty between measurements).
   std::vector<uint64_t> compiled_ns;
   /// The current measurement's timed eager runs, in ns (empty between measurements).
@@ -113,6 +126,9 @@ struct HitChoice {
     bool eager = true;
     /// Median of the paired ratios compiled_ns[k] / eager_ns[k].
     double compiled_over_eager = 0.0;
+    /// Too close to 1 to decide with fewer than kMaxTimedRunsPerWay pairs:
+    /// the measurement goes on.
+    bool undecided = false;
   };
   /// The decision from timed runs of each way, the k-th of each neighbours in
   /// the schedule; the two are equally long and not empty.

@@ -491,12 +491,13 @@ void register_shadow_cache(nb::module_& m) {
               "hit_choice_decision: compiled_ns and eager_ns must be equally long and not empty");
         }
         const HitChoice::Decision d = HitChoice::decide(compiled_ns, eager_ns);
-        return nb::make_tuple(d.eager, d.compiled_over_eager);
+        return nb::make_tuple(d.eager, d.compiled_over_eager, d.undecided);
       },
       nb::arg("compiled_ns"),
       nb::arg("eager_ns"),
-      "(eager, compiled_over_eager): what a cache entry decides from timed runs of "
-      "each way, the k-th of each neighbours in time; see [Note: Eager when it is faster].");
+      "(eager, compiled_over_eager, undecided): what a cache entry decides from timed "
+      "runs of each way, the k-th of each neighbours in time (undecided: it would time "
+      "more); see [Note: Eager when it is faster].");
   nb::class_<CacheTreeNode>(m, "CacheTreeNode", "One node of the shadow-graph cache (cache_tree()).")
       .def_ro("id", &CacheTreeNode::id)
       .def_ro("parent", &CacheTreeNode::parent)
