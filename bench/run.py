@@ -5,13 +5,15 @@ forward; only ``loss.backward()`` is timed. The first backward of each
 implementation is timed in a process of its own, with a fresh Inductor cache
 directory and Inductor's FX graph cache off, so that none reuses anything
 another compiled (``--first-backward``). Then, in this process, each is
-warmed up and ``--iters`` rounds interleave them so that drift hits all
-alike, each round in another order (rotated), so that none always runs
-after the same other one. Reports median and min, the ratios ours/eager and
-ours/torch, captures and Dynamo graphs, and ours/eager per round: the
-median of the rounds' own ratios with a bootstrap 95 % interval (see
-``paired_ratio``); writes JSON, a markdown table and a PNG of per-node
-overhead against node count.
+warmed up and ``--iters`` rounds interleave ours with eager so that drift
+hits both alike, each round in another order (rotated), then as many rounds
+interleave torch's with eager (see ``ROUNDS``: torch's backward never runs
+between two of ours'). Reports median and min, the ratios ours/eager and
+ours/torch (the latter through eager: ours/eager over torch/eager, each
+paired in its own rounds), captures and Dynamo graphs, and ours/eager per
+round: the median of the rounds' own ratios with a bootstrap 95 % interval
+(see ``paired_ratio``); writes JSON, a markdown table and a PNG of
+per-node overhead against node count.
 
 A last workload times whole training steps (forward + backward) of a
 decoder whose forward is ``torch.compile``'d with inductor: the backward on
@@ -456,6 +458,14 @@ def reset_all() -> None:
     torch._inductor.codecache.PyCodeCache.cache_clear(purge=True)
 
 
+#: The rounds of measure(), each timed --iters times: ours' and eager, then
+#: torch's and eager. Torch's compiled autograd (Dynamo and a long Python
+#: graph) run between two of ours' backwards left ours' walk and graph cold
+#: and turned a chain of 100 muls from 0.73-0.79x eager to 1.02x (bench/README.md,
+#: 2026-12-02 "Paired ratios"); a training loop has its forward there instead.
+ROUNDS = (("eager", "ours", "ours-compiled"), ("eager", "torch"))
+
+
 def rotated(impls: tuple[str, ...], round_nr: int) -> tuple[str, ...]:
     """``impls`` starting at its ``round_nr``-th: each implementation follows each other one in turn.
 
@@ -517,18 +527,26 @@ def measure(work: Workload, iters: int, warmup: int = 3) -> dict[str, Any]:
         for _ in range(max(warmup, CHOICE_RUNS) if impl == "ours" else warmup):
             time_backward(work, impl)
     row["ours_served_by"] = ours_served_by()
+    # Ours' rounds, then torch's: see ROUNDS.
     times: dict[str, list[float]] = {impl: [] for impl in IMPLS}
-    for round_nr in range(iters):
-        for impl in rotated(IMPLS, round_nr):
-            times[impl].append(time_backward(work, impl))
+    eager_beside_torch: list[float] = []
+    for round_impls in ROUNDS:
+        for round_nr in range(iters):
+            for impl in rotated(round_impls, round_nr):
+                t = time_backward(work, impl)
+                (eager_beside_torch if impl == "eager" and "torch" in round_impls else times[impl]).append(t)
     row["median_s"] = {impl: statistics.median(t) for impl, t in times.items()}
     row["min_s"] = {impl: min(t) for impl, t in times.items()}
     med = row["median_s"]
     row["ours_over_eager"] = med["ours"] / med["eager"]
-    row["ours_over_torch"] = med["ours"] / med["torch"]
     row["ours_compiled_over_eager"] = med["ours-compiled"] / med["eager"]
     row["ours_over_eager_paired"] = paired_ratio(times["ours"], times["eager"])
     row["ours_compiled_over_eager_paired"] = paired_ratio(times["ours-compiled"], times["eager"])
+    row["torch_over_eager_paired"] = paired_ratio(times["torch"], eager_beside_torch)
+    # Through eager, each side paired in its own rounds.
+    row["ours_over_torch"] = (
+        row["ours_over_eager_paired"]["median"] / row["torch_over_eager_paired"]["median"]
+    )
     return row
 
 
