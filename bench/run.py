@@ -381,8 +381,9 @@ def compiled_training_step(iters: int, warmup: int = 3) -> dict[str, Any]:
     for round_nr in range(iters):
         for impl in rotated(STEP_IMPLS, round_nr):
             times[impl].append(step(impl))
-    row["median_s"] = {impl: statistics.median(f + b for f, b in t) for impl, t in times.items()}
-    row["min_s"] = {impl: min(f + b for f, b in t) for impl, t in times.items()}
+    steps = {impl: [f + b for f, b in t] for impl, t in times.items()}
+    row["median_s"] = {impl: statistics.median(t) for impl, t in steps.items()}
+    row["min_s"] = {impl: min(t) for impl, t in steps.items()}
     row["median_backward_s"] = {impl: statistics.median(b for _, b in t) for impl, t in times.items()}
     med = row["median_s"]
     row["ours_over_compile"] = med["ours"] / med["compile"]
@@ -390,7 +391,6 @@ def compiled_training_step(iters: int, warmup: int = 3) -> dict[str, Any]:
     row["first_ours_over_torch"] = row["first_s"]["ours"] / row["first_s"]["torch"]
     row["first_bg_over_torch"] = row["first_s"]["ours-bg"] / row["first_s"]["torch"]
     row["bg_over_torch"] = med["ours-bg"] / med["torch"]
-    steps = {impl: [f + b for f, b in t] for impl, t in times.items()}
     row["ours_over_compile_paired"] = paired_ratio(steps["ours"], steps["compile"])
     return row
 
@@ -469,8 +469,8 @@ ROUNDS = (("eager", "ours", "ours-compiled"), ("eager", "torch"))
 def rotated(impls: tuple[str, ...], round_nr: int) -> tuple[str, ...]:
     """``impls`` starting at its ``round_nr``-th: each implementation follows each other one in turn.
 
-    In a fixed order ours always ran right after torch's compiled autograd, whose
-    graph had just left the caches and allocator as it left them.
+    In a fixed order one implementation always runs right after the same
+    other one, finding the caches and the allocator as that one left them.
     """
     k = round_nr % len(impls)
     return impls[k:] + impls[:k]
@@ -528,13 +528,13 @@ def measure(work: Workload, iters: int, warmup: int = 3) -> dict[str, Any]:
             time_backward(work, impl)
     row["ours_served_by"] = ours_served_by()
     # Ours' rounds, then torch's: see ROUNDS.
-    times: dict[str, list[float]] = {impl: [] for impl in IMPLS}
-    eager_beside_torch: list[float] = []
-    for round_impls in ROUNDS:
+    by_round: list[dict[str, list[float]]] = [{impl: [] for impl in r} for r in ROUNDS]
+    for round_impls, round_times in zip(ROUNDS, by_round, strict=True):
         for round_nr in range(iters):
             for impl in rotated(round_impls, round_nr):
-                t = time_backward(work, impl)
-                (eager_beside_torch if impl == "eager" and "torch" in round_impls else times[impl]).append(t)
+                round_times[impl].append(time_backward(work, impl))
+    ours_rounds, torch_rounds = by_round
+    times = {**ours_rounds, "torch": torch_rounds["torch"]}
     row["median_s"] = {impl: statistics.median(t) for impl, t in times.items()}
     row["min_s"] = {impl: min(t) for impl, t in times.items()}
     med = row["median_s"]
@@ -542,7 +542,7 @@ def measure(work: Workload, iters: int, warmup: int = 3) -> dict[str, Any]:
     row["ours_compiled_over_eager"] = med["ours-compiled"] / med["eager"]
     row["ours_over_eager_paired"] = paired_ratio(times["ours"], times["eager"])
     row["ours_compiled_over_eager_paired"] = paired_ratio(times["ours-compiled"], times["eager"])
-    row["torch_over_eager_paired"] = paired_ratio(times["torch"], eager_beside_torch)
+    row["torch_over_eager_paired"] = paired_ratio(torch_rounds["torch"], torch_rounds["eager"])
     # Through eager, each side paired in its own rounds.
     row["ours_over_torch"] = (
         row["ours_over_eager_paired"]["median"] / row["torch_over_eager_paired"]["median"]
