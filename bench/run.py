@@ -90,7 +90,8 @@ def no_work(gm: torch.fx.GraphModule) -> Callable[..., Any]:
 
 @contextlib.contextmanager
 def implementation(impl: str, compiler: Compiler | None) -> Iterator[None]:
-    if impl == "eager":
+    if impl in ("eager", "eager-again"):
+        # "eager-again": eager timed a second time in the same rounds (see ROUNDS).
         with ca_runtime.disable():
             yield
     elif impl == "ours-bg":
@@ -458,22 +459,49 @@ def reset_all() -> None:
     torch._inductor.codecache.PyCodeCache.cache_clear(purge=True)
 
 
-#: The rounds of measure(), each timed --iters times: ours' and eager, then
+#: The rounds of measure(), each timed --iters times: ours', ours always
+#: compiled and eager, with eager timed a second time as "eager-again"; then
 #: torch's and eager. Torch's compiled autograd (Dynamo and a long Python
 #: graph) run between two of ours' backwards left ours' walk and graph cold
 #: and turned a chain of 100 muls from 0.73-0.79x eager to 1.02x (bench/README.md,
 #: 2026-12-02 "Paired ratios"); a training loop has its forward there instead.
-ROUNDS = (("eager", "ours", "ours-compiled"), ("eager", "torch"))
+#: "eager-again" over "eager" is the A/A control: the spread that two runs
+#: of the same code show in these rounds, against which ours/eager is read.
+ROUNDS = (("eager", "ours", "ours-compiled", "eager-again"), ("eager", "torch"))
+
+
+def williams_order(n: int) -> list[tuple[int, ...]]:
+    """A Williams design for ``n`` treatments: each one follows each other one equally often.
+
+    Rows are ``0, 1, n-1, 2, n-2, ...`` plus a row offset, mod n; for an odd
+    ``n`` the mirrored rows are added, since n rows alone cannot balance
+    who follows whom (with three, plain rotations put eager after ours always
+    compiled in two rounds of three, ours after it in one).
+    """
+    first = [0]
+    lo, hi = 1, n - 1
+    while len(first) < n:
+        first.append(lo)
+        lo += 1
+        if len(first) < n:
+            first.append(hi)
+            hi -= 1
+    rows = [tuple((i + r) % n for i in first) for r in range(n)]
+    if n % 2:
+        rows += [row[::-1] for row in rows]
+    return rows
 
 
 def rotated(impls: tuple[str, ...], round_nr: int) -> tuple[str, ...]:
-    """``impls`` starting at its ``round_nr``-th: each implementation follows each other one in turn.
+    """``impls`` in the ``round_nr``-th order of a Williams design (see williams_order).
 
     In a fixed order one implementation always runs right after the same
-    other one, finding the caches and the allocator as that one left them.
+    other one, finding the caches and the allocator as that one left them;
+    over a whole cycle of the design each runs right after each other one
+    equally often within the rounds.
     """
-    k = round_nr % len(impls)
-    return impls[k:] + impls[:k]
+    rows = williams_order(len(impls))
+    return tuple(impls[i] for i in rows[round_nr % len(rows)])
 
 
 def paired_ratio(num: list[float], den: list[float], resamples: int = 2000) -> dict[str, float]:
@@ -530,7 +558,9 @@ def measure(work: Workload, iters: int, warmup: int = 3) -> dict[str, Any]:
     # Ours' rounds, then torch's: see ROUNDS.
     by_round: list[dict[str, list[float]]] = [{impl: [] for impl in r} for r in ROUNDS]
     for round_impls, round_times in zip(ROUNDS, by_round, strict=True):
-        for round_nr in range(iters):
+        # Whole cycles of the order, so that each follows each other equally often.
+        cycle = len(williams_order(len(round_impls)))
+        for round_nr in range(-(-iters // cycle) * cycle):
             for impl in rotated(round_impls, round_nr):
                 round_times[impl].append(time_backward(work, impl))
     ours_rounds, torch_rounds = by_round
@@ -543,6 +573,7 @@ def measure(work: Workload, iters: int, warmup: int = 3) -> dict[str, Any]:
     row["ours_over_eager_paired"] = paired_ratio(times["ours"], times["eager"])
     row["ours_compiled_over_eager_paired"] = paired_ratio(times["ours-compiled"], times["eager"])
     row["torch_over_eager_paired"] = paired_ratio(torch_rounds["torch"], torch_rounds["eager"])
+    row["eager_again_over_eager_paired"] = paired_ratio(times["eager-again"], times["eager"])
     # Through eager, each side paired in its own rounds.
     row["ours_over_torch"] = (
         row["ours_over_eager_paired"]["median"] / row["torch_over_eager_paired"]["median"]
@@ -809,12 +840,12 @@ def models_markdown(rows: list[dict[str, Any]], per_node: dict[str, Any]) -> str
     lines = [
         (
             "| workload | backend | nodes | eager ms | torch ms | ours ms | ours/eager "
-            "| ours/eager per round [95 % interval] | ours/torch "
+            "| ours/eager per round [95 % interval] | eager again/eager per round (A/A) | ours/torch "
             "| ours runs | ours always compiled ms (/eager) | always compiled/eager per round [95 % interval] "
             "| first backward torch / ours / ours in background s | captures torch / ours "
             "| Dynamo graphs torch / ours |"
         ),
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         m = r["median_s"]
@@ -822,7 +853,7 @@ def models_markdown(rows: list[dict[str, Any]], per_node: dict[str, Any]) -> str
         lines.append(
             f"| {r['workload']} | {r['backend']} | {r['nodes']} | {m['eager'] * 1e3:.3f} | {m['torch'] * 1e3:.3f} | "
             f"{m['ours'] * 1e3:.3f} | {r['ours_over_eager']:.2f} | {_interval(r['ours_over_eager_paired'])} | "
-            f"{r['ours_over_torch']:.2f} | {' and '.join(r.get('ours_served_by', [])) or '-'} | "
+            f"{_interval(r['eager_again_over_eager_paired'])} | {r['ours_over_torch']:.2f} | {' and '.join(r.get('ours_served_by', [])) or '-'} | "
             f"{m['ours-compiled'] * 1e3:.3f} ({r['ours_compiled_over_eager']:.2f}) | "
             f"{_interval(r['ours_compiled_over_eager_paired'])} | "
             f"{r['first_s']['torch']:.2f} / {r['first_s']['ours']:.2f} / {'-' if bg is None else f'{bg:.2f}'} | "

@@ -94,6 +94,7 @@ CA_PRIVATE_MEMBER(TensorArgsNextId, TensorArgs, _next_id)
 using torch::autograd::utils::DelayWarningHandler;
 CA_PRIVATE_MEMBER(HeldWarnings, DelayWarningHandler, warnings_)
 CA_PRIVATE_MEMBER(HeldWarningsMutex, DelayWarningHandler, mutex_)
+CA_PRIVATE_MEMBER(TaskAutogradState, at::ThreadLocalState, autograd_tls_)
 #undef CA_PRIVATE_MEMBER
 
 template <typename Stash>
@@ -193,6 +194,14 @@ void clear_compiler_call(torch::dynamo::autograd::AutogradCompilerCall& call) {
   call.pynode_objs.clear();
 }
 
+bool grad_mode_of(const at::ThreadLocalState& state) {
+  return (state.*member_of(TaskAutogradState{})).get_grad_mode();
+}
+
+bool task_grad_mode(const torch::autograd::GraphTask& graph_task) {
+  return grad_mode_of(graph_task.thread_locals_);
+}
+
 size_t replay_warnings(DelayWarningHandler& handler) {
   std::lock_guard<std::mutex> lock(handler.*member_of(HeldWarningsMutex{}));
   const auto& held = handler.*member_of(HeldWarnings{});
@@ -286,6 +295,19 @@ void register_torch_private(nb::module_& m) {
         return swapped && saved.is_same(t);
       },
       "5. A swapped-in value put back from SwapSavedVariables' private stash.");
+  m.def(
+      "_private_task_grad_mode",
+      [](bool create_graph) {
+        // As GraphTask's constructor makes its thread_locals_ (a GraphTask
+        // itself cannot be made here: its warning handler's vtable is not
+        // exported). The ambient mode is the opposite: the state's own is read.
+        c10::AutoGradMode ambient(!create_graph);
+        at::ThreadLocalState state;
+        state.set_grad_mode(create_graph);
+        return grad_mode_of(state);
+      },
+      nb::arg("create_graph"),
+      "11. The grad mode read from a ThreadLocalState whose grad mode was set to `create_graph`.");
   m.def(
       "_private_tensor_args",
       [](const at::Tensor& a, const at::Tensor& b) {

@@ -41,6 +41,10 @@
 //      back to a fresh one's state while keeping its buffers; see [Note:
 //      Recycled walk state]. The layouts are checked by static_assert, so a
 //      field torch adds fails the build here rather than being left stale.
+//  11. at::ThreadLocalState's private autograd_tls_, reached like item 5: the
+//      grad mode a GraphTask runs its nodes with (create_graph), which the
+//      engine hook sets alone instead of the task's whole thread-local
+//      state; see [Note: The hook's grad mode].
 // Internal but public in the headers, and used directly where needed:
 // GraphTask's fields (exec_info_, dependencies_, final_callbacks_,
 // keep_graph_, thread_locals_), Engine::set_compiled_autograd and
@@ -52,6 +56,7 @@
 #include <nanobind/nanobind.h>
 
 #include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/utils/warnings.h>
 #include <torch/csrc/dynamo/compiled_autograd.h>
 
@@ -104,6 +109,11 @@ void reset_lifted_saved_variables(const torch::dynamo::autograd::TensorArgs& arg
 /// 10. Empties `call` to the state of a fresh AutogradCompilerCall(STATIC),
 /// keeping its vectors' and maps' storage.
 void clear_compiler_call(torch::dynamo::autograd::AutogradCompilerCall& call);
+
+/// 11. The grad mode `state` sets.
+bool grad_mode_of(const at::ThreadLocalState& state);
+/// 11. The grad mode `graph_task` runs its nodes with: create_graph.
+bool task_grad_mode(const torch::autograd::GraphTask& graph_task);
 
 /// 8. Re-emits the warnings `handler` held back (DelayWarningHandler::
 /// replay_warnings, which libtorch does not export); returns how many.

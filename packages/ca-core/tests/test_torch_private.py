@@ -122,3 +122,8 @@ def test_8_warnings_held_by_the_eager_fallback_are_replayed_once() -> None:
     resized = [w for w in caught if "was resized" in str(w.message)]
     assert len(resized) == 1, [str(w.message) for w in caught]
     assert ca_core.counters()["eager_fallbacks"] >= 1
+
+
+@pytest.mark.parametrize("create_graph", [False, True])
+def test_11_a_graph_tasks_grad_mode_is_readable(create_graph: bool) -> None:
+    assert _C._private_task_grad_mode(create_graph) is create_graph

@@ -20,7 +20,7 @@ import pytest
 import torch
 from ca_runtime._report.html import render
 from ca_runtime._report.model import build_report_data
-from ca_testkit.scenarios import make_mlp, mlp_step, slowed_compiler
+from ca_testkit.scenarios import batch, make_mlp, mlp_step, slowed_compiler
 
 #: An entry's schedule: untimed compiled hits, then timed runs per way.
 WARMUP = 4
@@ -104,6 +104,59 @@ def test_a_backward_served_eagerly_by_choice_is_recognised_without_a_walk(backen
     # without a walk, one walked, and the rest without.
     assert stats["eager_without_walk"] == chosen - 2, stats
     assert _entry().eager_runs == TIMED + chosen
+
+
+def _grad_mode_step(create_graph: bool, ambient: bool) -> tuple[Callable[[int], Any], list[str]]:
+    """A step whose hooks record the grad mode they run in (the list of the last step's calls).
+
+    Its backward is called with grad mode ``ambient``.
+    """
+    model = make_mlp()
+    calls: list[str] = []
+    model[0].weight.register_hook(lambda g: calls.append(f"tensor hook, grad {torch.is_grad_enabled()}"))
+    model[2].register_full_backward_hook(
+        lambda m, gi, go: calls.append(f"module hook, grad {torch.is_grad_enabled()}")
+    )
+    params = list(model.parameters())
+
+    def step(i: int) -> tuple[torch.Tensor, list[torch.Tensor], list[str]]:
+        calls.clear()
+        x, y = batch(i)
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        with torch.set_grad_enabled(ambient):
+            grads = torch.autograd.grad(loss, params, create_graph=create_graph)
+        return loss, [g.detach() for g in grads], list(calls)
+
+    return step, calls
+
+
+@pytest.mark.parametrize("ambient", [True, False], ids=["called-with-grad", "called-in-no-grad"])
+@pytest.mark.parametrize(
+    ("create_graph", "slow"),
+    [(False, False), (True, False), (False, True)],
+    ids=["compiled", "compiled-create-graph", "eager-by-choice"],
+)
+def test_hooks_run_in_the_backwards_grad_mode_whichever_way_it_is_served(
+    create_graph: bool, slow: bool, ambient: bool
+) -> None:
+    """Grad mode in a backward is create_graph, whatever mode backward() was called in, as in eager.
+
+    The hook sets the grad mode alone, not the task's whole thread-local
+    state, and nothing on the eager engine; see [Note: The hook's grad mode].
+    """
+    step, calls = _grad_mode_step(create_graph, ambient)
+    # Compiled: always the graph (ca-compiled); slow: its hits chose the eager engine.
+    compiler_fn, impl = (_slow_graph("eager"), "ca") if slow else ("eager", "ca-compiled")
+    comparison = ca_testkit.compare(step, compiler_fn, steps=STEPS + 2, impl=impl)
+    comparison.assert_ok()
+    # The last step's calls, ours' (eager's matched them step by step).
+    assert calls == [f"module hook, grad {create_graph}", f"tensor hook, grad {create_graph}"], calls
+    stats = comparison.stats
+    assert stats["captures"] == 1 and stats["eager_fallbacks"] == 0, stats
+    if slow:
+        assert stats["eager_without_walk"] >= 1 and stats["cache_hits"] == WARMUP + TIMED, stats
+    else:
+        assert stats["eager_by_choice"] == 0 and stats["cache_hits"] == STEPS + 1, stats
 
 
 def test_a_new_hook_is_captured_within_the_walk_interval_and_runs_meanwhile() -> None:
