@@ -186,6 +186,21 @@ struct BackwardState {
   std::vector<std::vector<uint32_t>> spare_slots;
 };
 
+/// Alive while a tree of the cache is in use (a backward in the hook, a
+/// Python call reading or emptying a tree): what the cache lets go of
+/// meanwhile is destroyed only when the last one ends. Needs the GIL. See
+/// [Note: What the cache lets go of] (shadow_cache.cpp).
+struct CacheUse {
+  CacheUse();
+  ~CacheUse();
+  CacheUse(const CacheUse&) = delete;
+  CacheUse& operator=(const CacheUse&) = delete;
+};
+
+/// Takes `obj` out of a cache entry (leaving it null) into the graveyard;
+/// see [Note: What the cache lets go of].
+void release_later(nb::object& obj);
+
 /// A fresh ShadowNode::id.
 uint64_t next_shadow_node_id();
 
@@ -403,7 +418,6 @@ std::unique_ptr<NodeSummary> summarize(const NodeState& ns, Node* fn);
 std::string explain_new_key(
     const ShadowNode& parent,
     const ShadowNode* created,
-    const CacheKey& key,
     const NodeSummary& now);
 /// Whether a backward's sizes fit an entry: equal, or dynamic there.
 bool sizes_match(const ShadowNode& entry, const std::vector<int64_t>& sizes);

@@ -32,7 +32,10 @@ is installed. ca_core therefore only ever swaps between "ours" and "nothing";
 ca_runtime.enable() remembers what was active before it (ours with another
 runtime, torch's built-in compiled autograd, or eager) and restores exactly
 that on exit, re-arming torch's hook through its own Python API if needed.
-The runtime object is a strong reference held here while installed.
+The runtime object is a strong reference held here while installed, and
+each backward in flight holds one of its own (BackwardRun::runtime): a
+context exit on another thread (uninstall_engine_hook) while a hook sleeps or
+a compiler_fn compiles must not free the runtime that backward still calls.
 
 [Note: Final callbacks]
 Engine::execute holds a GraphTaskGuard on the backward's GraphTask while it
@@ -488,16 +491,21 @@ struct BackwardRun {
         graph_task(graph_task),
         accumulate_grad(accumulate_grad),
         output_edges(output_edges),
-        runtime(g_runtime),
+        runtime(nb::borrow(g_runtime)),
         cache(g_cache) {}
+  /// Keeps what the cache lets go of during this backward alive until it
+  /// ends; see [Note: What the cache lets go of]. Destroyed last.
+  CacheUse cache_use;
   /// The engine's root node and task (the eager fallback runs them).
   const c10::intrusive_ptr<Node>& root;
   const GraphTask& graph_task;
   /// The engine's accumulate_grad (backward) and outputs (grad's inputs).
   bool accumulate_grad;
   const torch::autograd::edge_list& output_edges;
-  /// The installed ca_runtime object (capture, run_first, report_fallback).
-  nb::handle runtime;
+  /// The ca_runtime object installed when the backward began (capture,
+  /// run_first, report_fallback), a strong reference: enable() may exit on
+  /// another thread meanwhile; see [Note: Engine hook lifetime].
+  nb::object runtime;
   /// The root of the cache tree it walks (its compiler's).
   ShadowNode* cache;
   /// Its GraphTask's fingerprint, computed only when some fingerprint is
@@ -853,7 +861,7 @@ std::optional<variable_list> lookup(BackwardRun& run) {
       ++g_counters.eager_while_compiling;
       return run.eager_after_walk();
     }
-    entry.compiling = nb::object();
+    release_later(entry.compiling);
   }
   if (g_eager_if_faster && entry.may_choose()) {
     if (auto done = serve_by_choice(run)) {
@@ -895,6 +903,7 @@ bool capture(BackwardRun& run) {
   run.leaf_hooks_only = std::move(captured->hooks_only);
   if (run.entry_alive()) {
     ShadowNode& entry = *run.entry;
+    release_later(entry.compiled_fn);  // see [Note: What the cache lets go of]
     entry.compiled_fn = run.compiled;
     entry.leaf_outputs = run.leaf_outputs;
     entry.leaf_hooks_only = run.leaf_hooks_only;
@@ -1034,7 +1043,7 @@ std::optional<variable_list> run_graph(BackwardRun& run, nb::object& result) {
         "compiled graph", nb::cast<std::string>(nb::str(run.runtime.attr("last_failure"))));
     if (run.entry_alive()) {
       mark_failed(*run.entry, run.runtime);
-      run.entry->compiled_fn = nb::object();
+      release_later(run.entry->compiled_fn);
     }
     return eager_outputs;
   }
@@ -1045,6 +1054,7 @@ std::optional<variable_list> run_graph(BackwardRun& run, nb::object& result) {
     if (!take.is_none()) {
       nb::object compiling = take();
       if (!compiling.is_none() && run.entry_alive()) {
+        release_later(run.entry->compiling);
         run.entry->compiling = std::move(compiling);
       }
     }

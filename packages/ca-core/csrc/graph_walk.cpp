@@ -585,7 +585,7 @@ class GraphWalk {
       cache_->summary = summarize(ns, fn);
       if (state_->miss_node < 0 && parent->next.size() > 1) {
         state_->miss_node = walk_idx;
-        state_->miss_reason = explain_new_key(*parent, cache_, key, *cache_->summary);
+        state_->miss_reason = explain_new_key(*parent, cache_, *cache_->summary);
       }
     }
   }

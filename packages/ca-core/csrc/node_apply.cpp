@@ -3,6 +3,8 @@
 // are the calls a captured FX graph is made of. Swapping and applying only:
 // what capture() is told about a backward is describe.cpp's.
 #include "ca_core.h"
+
+#include <unordered_map>
 #include "torch_private.h"
 #include "tensor_caster.h"
 
@@ -574,9 +576,13 @@ it (the eager engine frees a node's input grads once it has run). Nodes and
 errors are the same as with one apply_node per node, so tracing compilers
 (AOTAutograd below Dynamo) see the same ATen ops.
 
-Plans live for the process in a registry indexed by the plan id that the
-graph passes: a graph may be called as long as anything holds it, and a plan
-is a few integers per node.
+Plans live in a registry indexed by the plan id that the graph passes (an
+int is what FX and Dynamo carry as a constant), until ca_runtime releases
+them when the graph module that holds the calls dies (release_node_run_plans
+from a finalizer): kept for the process, they were a leak of a few integers
+per node on every capture. Ids are never reused, so a stale id fails with
+"no plan" instead of running another graph's plan; the registry is a map, so
+releasing one plan leaves the references apply_nodes holds to others valid.
 */
 /// Where a value a planned node reads comes from; see [Note: Runs of nodes in one call].
 struct RunRef {
@@ -616,10 +622,13 @@ struct NodeRunPlan {
   std::vector<uint32_t> results;
 };
 
-std::vector<std::unique_ptr<NodeRunPlan>>& node_run_plans() {
-  static std::vector<std::unique_ptr<NodeRunPlan>> plans;
+/// Live plans by id; see [Note: Runs of nodes in one call]. Guarded by the GIL.
+std::unordered_map<uint32_t, std::unique_ptr<NodeRunPlan>>& node_run_plans() {
+  static std::unordered_map<uint32_t, std::unique_ptr<NodeRunPlan>> plans;
   return plans;
 }
+/// The next plan's id (never reused).
+uint32_t g_next_plan_id = 0;
 
 /// A ref as plan_node_run takes it: >= 0 operand, -1 None, <= -2 register -ref - 2.
 RunRef run_ref(int64_t code, uint32_t num_registers) {
@@ -685,17 +694,24 @@ uint32_t plan_node_run(const std::vector<RunStepSpec>& specs, const std::vector<
       }
     }
   }
-  auto& plans = node_run_plans();
-  plans.push_back(std::move(plan));
-  return static_cast<uint32_t>(plans.size() - 1);
+  const uint32_t id = g_next_plan_id++;
+  node_run_plans().emplace(id, std::move(plan));
+  return id;
+}
+
+void release_node_run_plans(const std::vector<uint32_t>& plan_ids) {
+  for (uint32_t id : plan_ids) {
+    node_run_plans().erase(id);
+  }
 }
 
 variable_list apply_nodes(uint32_t plan_id, nb::handle tensors, nb::handle others) {
   const auto& plans = node_run_plans();
-  if (plan_id >= plans.size()) {
+  const auto found = plans.find(plan_id);
+  if (found == plans.end()) {
     throw nb::value_error(("apply_nodes: no plan " + std::to_string(plan_id)).c_str());
   }
-  const NodeRunPlan& plan = *plans[plan_id];
+  const NodeRunPlan& plan = *found->second;
   if (!PyList_Check(others.ptr())) {
     throw nb::type_error("apply_nodes: others must be a list");
   }
@@ -874,6 +890,15 @@ void register_node_apply(nb::module_& m) {
       "-1: None, <= -2: output register -ref - 2, registers numbered by step "
       "then output), the three others as indices into `others` (-1: None). "
       "`results` are the register refs apply_nodes returns.");
+  m.def(
+      "release_node_run_plans",
+      &release_node_run_plans,
+      nb::arg("plan_ids"),
+      "Frees the plans of a graph that died; see [Note: Runs of nodes in one call].");
+  m.def(
+      "live_node_run_plans",
+      []() { return node_run_plans().size(); },
+      "How many plans are registered (tests: none leak).");
   m.def(
       "apply_nodes",
       &apply_nodes,

@@ -118,6 +118,25 @@ the engine hook re-checks its tree's before storing a result. Per tree: a
 callable compiler_fn that dies (and drops its tree) while another compiler's
 backward is capturing -- a garbage collection may run anywhere -- must not
 throw that capture away.
+
+[Note: What the cache lets go of]
+Emptying a tree (clear_cache(), drop_cache_root(), cache_clear_failed(), a
+graph replaced at its entry) lets go of Python objects: compiled graphs, and
+through them compilers and whatever their closures hold. A decref may run
+Python code -- a weakref callback of a compiler that dies (ca_runtime's drops
+that compiler's tree), a __del__ -- and that code may empty a tree itself, on
+this thread or, once it lets go of the GIL, on another. Destroying what a tree
+held while a walk, a lookup or this very clear still points into it was a
+use-after-free (a compiler whose graph held the compiler: reset() crashed).
+So nothing the cache lets go of is destroyed where it is let go: ShadowNodes
+and Python objects move to one graveyard (release_later(), clear()), which
+is emptied when the last CacheUse ends. A CacheUse is alive for each backward
+in the hook (walk, capture, run, finish) and for each Python-facing call that
+reads or changes a tree, so every ShadowNode pointer taken under one stays
+valid memory until it ends; generations (above) still say whether it is
+still in the tree. Emptying the graveyard counts as a use too, so what its
+decrefs let go of waits for the next round instead of being destroyed inside
+the destruction.
 */
 
 namespace {
@@ -125,7 +144,55 @@ namespace {
 std::atomic<uint64_t> g_generation{0};
 /// Per root: how many times drop_cache_root() emptied it (GIL held).
 std::unordered_map<const ShadowNode*, uint64_t> g_root_drops;
+
+/// What the cache let go of, destroyed when no CacheUse is alive; see
+/// [Note: What the cache lets go of]. Guarded by the GIL.
+struct Graveyard {
+  /// Subtrees taken out of a tree.
+  std::vector<std::unique_ptr<ShadowNode>> nodes;
+  /// Python objects an entry held (compiled graphs, readiness callables).
+  std::vector<nb::object> objects;
+  /// CacheUse objects alive, on any thread.
+  int users = 0;
+};
+
+Graveyard& graveyard() {
+  // Leaked on purpose, as cache_roots(): no Python object dies after the interpreter.
+  static auto* g = new Graveyard();
+  return *g;
+}
 } // namespace
+
+CacheUse::CacheUse() {
+  ++graveyard().users;
+}
+
+CacheUse::~CacheUse() {
+  Graveyard& g = graveyard();
+  if (--g.users > 0 || (g.nodes.empty() && g.objects.empty())) {
+    return;
+  }
+  // A Python error being raised (a backward unwinding) is kept aside while
+  // decrefs run callbacks.
+  nb::error_scope keep_error;
+  while (!g.nodes.empty() || !g.objects.empty()) {
+    auto nodes = std::move(g.nodes);
+    auto objects = std::move(g.objects);
+    g.nodes.clear();
+    g.objects.clear();
+    ++g.users;
+    nodes.clear();
+    objects.clear();
+    --g.users;
+  }
+}
+
+void release_later(nb::object& obj) {
+  if (obj.is_valid()) {
+    graveyard().objects.push_back(std::move(obj));
+    obj = nb::object();
+  }
+}
 
 
 ShadowNode* ShadowNode::lookup(const CacheKey& key, bool& created) {
@@ -145,9 +212,9 @@ void ShadowNode::clear_failed() {
   if (failed) {
     failed = false;
     failure.clear();
-    compiled_fn = nb::object();
+    release_later(compiled_fn);
     first_run = true;
-    compiling = nb::object();
+    release_later(compiling);
   }
   walk_failures.clear();
   for (auto& [_, child] : next) {
@@ -156,17 +223,21 @@ void ShadowNode::clear_failed() {
 }
 
 void ShadowNode::clear() {
-  next.clear();
-  key_storage.clear();
+  // See [Note: What the cache lets go of]: the children (and the keys'
+  // bytes they are found by) go to the graveyard whole.
+  auto husk = std::make_unique<ShadowNode>();
+  husk->next.swap(next);
+  husk->key_storage.swap(key_storage);
+  graveyard().nodes.push_back(std::move(husk));
   expected_sizes.clear();
   dynamic_sizes.clear();
   tensor_shapes.clear();
-  compiled_fn = nb::object();
+  release_later(compiled_fn);
   failed = false;
   failure.clear();
   static_sizes = false;
   first_run = true;
-  compiling = nb::object();
+  release_later(compiling);
   hits = 0;
   choice.reset(false);
   leaf_outputs.clear();
@@ -203,17 +274,14 @@ std::unique_ptr<NodeSummary> summarize(const NodeState& ns, Node* fn) {
 std::string explain_new_key(
     const ShadowNode& parent,
     const ShadowNode* created,
-    const CacheKey& key,
     const NodeSummary& now) {
-  const CacheKey* best_key = nullptr;
   const NodeSummary* best = nullptr;
-  for (const auto& [k, child] : parent.next) {
+  for (const auto& [_, child] : parent.next) {
     if (child.get() == created || !child->summary) {
       continue;
     }
     if (best == nullptr || (child->summary->type == now.type && best->type != now.type)) {
       best = child->summary.get();
-      best_key = &k;
     }
   }
   if (best == nullptr) {
@@ -221,7 +289,9 @@ std::string explain_new_key(
   }
   std::vector<std::string> reasons;
   if (best->type != now.type) {
-    reasons.push_back("node type " + now.type + " where the cached graph has " + best->type + " (" + best->name + ")");
+    reasons.push_back(
+        "a " + now.name + " node where the cached graph has " + best->name +
+        (now.name == best->name ? " (C++ types " + now.type + " and " + best->type + ")" : ""));
   } else {
     static const char* kinds[] = {
         "Python tensor hooks", "C++ tensor hooks / retain_grad",
@@ -230,8 +300,8 @@ std::string explain_new_key(
       if (now.hooks[i] != best->hooks[i]) {
         reasons.push_back(
             std::string(now.hooks[i] > best->hooks[i] ? "a hook was added" : "a hook was removed") +
-            " (" + kinds[i] + ": " + std::to_string(best->hooks[i]) + " -> " +
-            std::to_string(now.hooks[i]) + ")");
+            " to its " + kinds[i] + " (" + std::to_string(now.hooks[i]) + " now, " +
+            std::to_string(best->hooks[i]) + " in the cached graph)");
       }
     }
     if (now.grad_defined != best->grad_defined && now.grad_defined >= 0) {
@@ -250,28 +320,17 @@ std::string explain_new_key(
       }
     }
   }
-  // Byte range where the keys differ.
-  const size_t n = std::min<size_t>(key.key_size, best_key->key_size);
-  size_t first = 0;
-  while (first < n && key.key[first] == best_key->key[first]) {
-    ++first;
-  }
-  size_t tail = 0;
-  while (tail < n - first &&
-         key.key[key.key_size - 1 - tail] == best_key->key[best_key->key_size - 1 - tail]) {
-    ++tail;
-  }
-  std::string detail = "key bytes [" + std::to_string(first) + ", " +
-      std::to_string(key.key_size - tail) + ") of " + std::to_string(key.key_size) +
-      " differ from the cached key (" + std::to_string(best_key->key_size) + " bytes)";
   if (reasons.empty()) {
-    reasons.push_back("a specialised value changed");
+    // Nothing a summary shows: a value compiled_args specialises on.
+    reasons.push_back(
+        "a value its backward is specialised on changed (a scalar argument such as an "
+        "exponent or a dim, a flag, or the type of a saved value)");
   }
   std::string out;
   for (const auto& r : reasons) {
     out += (out.empty() ? "" : "; ") + r;
   }
-  return out + "; " + detail;
+  return out;
 }
 
 
@@ -391,9 +450,15 @@ void explain_sizes(
     }
     if (shown++ < 3) {
       const auto& owner = state.nodes[node - 1];
-      reason += std::string(reason.empty() ? "" : "; ") + "size input #" +
-          std::to_string(i) + " of " + owner.call.node->name() + " (node " +
-          std::to_string(node - 1) + ") changed from " +
+      const size_t owned = owner.collected ? owner.collected->all_size_inputs.size() : 0;
+      const size_t local = i - (node_end - owned);
+      const std::string where = owner.call.node->name() + " (node " + std::to_string(node - 1) + ")";
+      // Sizes compiled_args visited come first, then its output grads' shapes
+      // (see NodeState::num_apply_sizes).
+      const std::string what = local < owner.num_apply_sizes
+          ? "a size " + where + " saved in the forward (#" + std::to_string(local) + ")"
+          : "a dimension of an output grad of " + where;
+      reason += std::string(reason.empty() ? "" : "; ") + what + " changed from " +
           std::to_string(entry.expected_sizes[i]) + " to " +
           std::to_string(sizes[i]) +
           (entry.static_sizes ? " (sizes stay static here: a dynamic graph failed to compile)"
@@ -401,7 +466,7 @@ void explain_sizes(
     }
   }
   if (shown > 3) {
-    reason += "; and " + std::to_string(shown - 3) + " more sizes";
+    reason += "; and " + std::to_string(shown - 3) + " more sizes changed";
   }
   state.miss_reason = reason;
 }
@@ -518,6 +583,7 @@ void register_shadow_cache(nb::module_& m) {
   m.def(
       "cache_tree",
       []() {
+        CacheUse use;  // see [Note: What the cache lets go of]
         std::vector<CacheTreeNode> out;
         for (const auto& [compiler, root] : cache_roots()) {
           std::vector<std::pair<const ShadowNode*, int64_t>> stack{{root.get(), -1}};
@@ -555,6 +621,7 @@ void register_shadow_cache(nb::module_& m) {
   m.def(
       "clear_cache",
       []() {
+        CacheUse use;  // see [Note: What the cache lets go of]
         ++g_generation;
         for (auto& [_, root] : cache_roots()) {
           root->clear();
@@ -564,6 +631,7 @@ void register_shadow_cache(nb::module_& m) {
   m.def(
       "drop_cache_root",
       [](const std::string& compiler_key) {
+        CacheUse use;  // see [Note: What the cache lets go of]
         auto& roots = cache_roots();
         for (auto it = roots.begin(); it != roots.end(); ++it) {
           if (it->first == compiler_key) {
@@ -578,6 +646,7 @@ void register_shadow_cache(nb::module_& m) {
   m.def(
       "clear_failed",
       []() {
+        CacheUse use;  // see [Note: What the cache lets go of]
         for (auto& [_, root] : cache_roots()) {
           root->clear_failed();
         }
@@ -586,6 +655,7 @@ void register_shadow_cache(nb::module_& m) {
   m.def(
       "cache_entries",
       []() {
+        CacheUse use;  // see [Note: What the cache lets go of]
         // Per compiler root, depth-first over the tree, one tuple per
         // compiled or failed entry (see the docstring).
         nb::list out;

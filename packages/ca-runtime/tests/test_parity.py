@@ -40,36 +40,7 @@ def test_each_compiler_has_its_own_cache() -> None:
     assert sorted(by_compiler[k] for k in by_compiler if k.startswith("callable:")) == [0, 1]
 
 
-def test_a_dead_compiler_fn_drops_its_cache() -> None:
-    lin = torch.nn.Linear(3, 2)
-    with ca_runtime.enable(lambda gm: gm):
-        lin(torch.randn(2, 3)).sum().backward()
-    import gc
-
-    gc.collect()
-    assert [e for e in ca_runtime.cache_info() if e.compiler.startswith("callable:")] == []
-
-
-def test_a_compiler_fn_dying_during_another_capture_keeps_that_capture() -> None:
-    """Only the dead compiler's tree is dropped: the capture in flight is stored (a hit next)."""
-    import gc
-
-    lin = torch.nn.Linear(3, 2)
-    lin(torch.randn(2, 3)).sum().backward()
-    doomed: list[Callable[[torch.fx.GraphModule], torch.fx.GraphModule]] = [lambda gm: gm]
-    with ca_runtime.enable(doomed[0]):
-        lin(torch.randn(2, 3)).sum().backward()
-
-    def compiler_fn(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-        doomed.clear()  # the other compiler dies while this backward captures
-        gc.collect()
-        return gm
-
-    xs = [torch.randn(2, 3) for _ in range(3)]
-    result = compare(lambda i: lin(xs[i]).sum().backward(), compiler_fn, tensors=lin, steps=3)
-    result.assert_ok()
-    assert not doomed
-    assert result.stats["captures"] == 1 and result.stats["cache_hits"] == 2, result.stats
+# A dead compiler's cache and compilers made anew: tests/test_compiler_keys.py.
 
 
 @pytest.mark.inductor

@@ -143,3 +143,50 @@ def test_inductor_config_tells_a_users_setting_from_the_default() -> None:
     assert config.reorder_for_locality is True and not config._is_default("reorder_for_locality")
     revert()
     assert config._is_default("reorder_for_locality")
+
+
+def test_9_fx_keeps_each_generated_source_under_a_numbered_key() -> None:
+    with _torch_interop.sources_made() as keys:
+        gm = torch.fx.symbolic_trace(torch.nn.ReLU())
+    assert keys and all(k in torch.fx.graph_module._loader.eval_cache for k in keys)
+    _torch_interop.forget_sources_with(gm, keys)
+    del gm
+    import gc
+
+    gc.collect()
+    assert not any(k in torch.fx.graph_module._loader.eval_cache for k in keys)
+
+
+def test_10_a_torch_compile_context_names_its_backend() -> None:
+    first, second = torch._dynamo.optimize("eager"), torch._dynamo.optimize("eager")
+    backend = _torch_interop.dynamo_context_backend(first)
+    assert backend is not None and backend == _torch_interop.dynamo_context_backend(second)
+    assert _torch_interop.dynamo_context_backend(lambda gm: gm) is None
+
+
+def test_11_torchs_enable_is_replaced_inside_the_context_and_restored() -> None:
+    original = torch._dynamo.compiled_autograd._enable
+    entered: list[object] = []
+
+    class Recorder:
+        def __init__(self, fn: object) -> None:
+            entered.append(fn)
+
+        def __enter__(self) -> None:
+            return None
+
+        def __exit__(self, *args: object) -> None:
+            return None
+
+    with _torch_interop.routed_torch_compiled_autograd(Recorder):  # type: ignore[arg-type]
+        with torch._dynamo.compiled_autograd._enable("compiler"):  # type: ignore[arg-type]
+            pass
+        assert torch._dynamo.compiled_autograd.active_disable_ctx is False
+        assert torch._dynamo.eval_frame._stance.stance == "default"
+    assert entered == ["compiler"] and torch._dynamo.compiled_autograd._enable is original
+
+
+def test_12_torch_logging_registers_the_ca_log_and_reads_artifacts() -> None:
+    wanted, verbose = _torch_interop.register_ca_logs()
+    assert isinstance(wanted, bool) and isinstance(verbose, bool)
+    assert "ca" in torch._logging._internal.log_registry.log_alias_to_log_qnames

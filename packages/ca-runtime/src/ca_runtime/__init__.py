@@ -37,8 +37,17 @@ _check_ca_core()
 
 from ca_runtime._background import wait_for_background_compiles  # noqa: E402
 from ca_runtime._capture import build_graph_module  # noqa: E402
-from ca_runtime._enable import CacheEntry, cache_clear_failed, cache_info, disable, enable, reset, stats  # noqa: E402
-from ca_runtime._log import EagerFallbackWarning, GraphBreakWarning  # noqa: E402
+from ca_runtime._enable import (  # noqa: E402
+    CacheEntry,
+    cache_clear_failed,
+    cache_info,
+    disable,
+    enable,
+    replace_torch,
+    reset,
+    stats,
+)
+from ca_runtime._log import EagerFallbackWarning, GraphBreakWarning, RecompileWarning  # noqa: E402
 from ca_runtime._report import _arm_from_environment, collect_timings, report  # noqa: E402
 from ca_runtime._runtime import Runtime, last_graph  # noqa: E402
 
@@ -46,6 +55,7 @@ __all__ = [
     "CacheEntry",
     "EagerFallbackWarning",
     "GraphBreakWarning",
+    "RecompileWarning",
     "Runtime",
     "build_graph_module",
     "cache_clear_failed",
@@ -54,6 +64,7 @@ __all__ = [
     "disable",
     "enable",
     "last_graph",
+    "replace_torch",
     "report",
     "reset",
     "stats",

@@ -98,7 +98,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from ca_runtime._log import EagerFallbackWarning, log
+from ca_runtime._log import EagerFallbackWarning, log, warn_at_user_line
 
 __all__ = [
     "BackgroundInductor",
@@ -323,15 +323,22 @@ def _uncompiled_copy(gm: torch.fx.GraphModule) -> Callable[[list[Any]], Any]:
     return run_uncompiled
 
 
-def _report_failure(error: BaseException, where: str, stacklevel: int) -> None:
-    """One EagerFallbackWarning for a compile that failed; the graph keeps running uncompiled."""
+def _report_failure(error: BaseException, where: str, on_compile_thread: bool) -> None:
+    """One EagerFallbackWarning for a compile that failed; the graph keeps running uncompiled.
+
+    From the compile thread it names this module (no user line is on that
+    thread's stack); otherwise the user's line that ran the backward.
+    """
     first = (str(error).strip().splitlines() or [""])[0]
     message = (
         f"ca_runtime: Inductor failed to compile a backward graph{where} "
         f"({type(error).__name__}: {first}); that graph keeps running op by op, uncompiled"
     )
     log.info(message, exc_info=error)
-    warnings.warn(message, EagerFallbackWarning, stacklevel=stacklevel + 1)
+    if on_compile_thread:
+        warnings.warn(message, EagerFallbackWarning, stacklevel=2)
+    else:
+        warn_at_user_line(message, EagerFallbackWarning)
 
 
 def _start(
@@ -373,7 +380,7 @@ def _start(
             if _Shutdown.started:
                 log.debug("ca_runtime: background compile stopped by interpreter shutdown: %s", e)
                 return
-            _report_failure(e, " in the background", stacklevel=1)
+            _report_failure(e, " in the background", on_compile_thread=True)
         else:
             cell.cell_contents = compiled
             log.info(
@@ -388,7 +395,7 @@ def _start(
         try:
             compiled = context.copy().run(compile_now)
         except Exception as e:  # noqa: BLE001 - as a failed background compile
-            _report_failure(e, "", stacklevel=3)
+            _report_failure(e, "", on_compile_thread=False)
             return run_uncompiled(args)
         cell.cell_contents = compiled
         return compiled(args)

@@ -30,8 +30,7 @@ import difflib
 import functools
 import threading
 import warnings
-import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import ca_core
@@ -39,14 +38,25 @@ import torch
 from ca_core.runtime_protocol import EngineRuntime
 
 from ca_runtime._background import BackgroundInductor, background_counts, reset_background_counts
+from ca_runtime._compiler_key import compiler_key, forget_captures, forget_compiler_keys
 from ca_runtime._runtime import CompilerFn, Runtime, graph_break_count, reset_graph_breaks
 from ca_runtime._torch_interop import (
     keep_hook_across_torch_disable,
     rearm_torch_compiled_autograd,
+    routed_torch_compiled_autograd,
     torch_compiled_autograd_enabled,
 )
 
-__all__ = ["CacheEntry", "cache_clear_failed", "cache_info", "disable", "enable", "reset", "stats"]
+__all__ = [
+    "CacheEntry",
+    "cache_clear_failed",
+    "cache_info",
+    "disable",
+    "enable",
+    "replace_torch",
+    "reset",
+    "stats",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,36 +83,6 @@ class _HookState:
 
 def _valid_backends() -> list[str]:
     return sorted(torch._dynamo.list_backends(exclude_tags=()))
-
-
-#: compiler_fn callables whose cache is alive, by compiler key: kept so that
-#: a key (the callable's id) cannot be reused by another object while its
-#: cache exists; see [Note: One cache per compiler] in ca_core.
-_callables: dict[str, Any] = {}
-
-
-def _compiler_key(compiler_fn: object, compile_in_background: bool = False) -> str:
-    """The cache a compiler_fn uses: one per backend name (and mode), one per callable object."""
-    if isinstance(compiler_fn, str):
-        return f"backend:{compiler_fn}" + ("+background" if compile_in_background else "")
-    key = f"callable:{id(compiler_fn)}"
-    if key not in _callables:
-        try:
-            # A weakly referenceable callable drops its cache when it dies.
-            ref: object = weakref.ref(compiler_fn, functools.partial(_drop_cache_of_dead, key))
-        except TypeError:
-            ref = compiler_fn
-        _callables[key] = ref
-    return key
-
-
-def _drop_cache_of_dead(key: str, _ref: object) -> None:
-    _drop_cache(key)
-
-
-def _drop_cache(key: str) -> None:
-    if _callables.pop(key, None) is not None:
-        ca_core.drop_cache_root(key)
 
 
 @functools.cache
@@ -214,8 +194,8 @@ class _EnableContext(_HookContext):
     def _install(self) -> Runtime:
         self._entered = True
         keep_hook_across_torch_disable()
-        runtime = Runtime(self._compiler)
-        runtime.compiler_key = _compiler_key(self._compiler_fn, self._compile_in_background)
+        runtime = Runtime(self._compiler, shown_as=self._compiler_fn)
+        runtime.compiler_key = compiler_key(self._compiler_fn, self._compile_in_background)
         runtime.eager_if_faster = self._eager_if_faster
         ca_core.install_engine_hook(runtime, runtime.compiler_key)
         return runtime
@@ -273,9 +253,30 @@ def disable() -> _DisableContext:
     return _DisableContext()
 
 
+@contextlib.contextmanager
+def replace_torch() -> Iterator[None]:
+    """[Note: Running torch's entry points on ca]
+    Code written for torch's compiled autograd turns it on with
+    ``torch._dynamo.config.compiled_autograd = True`` around ``torch.compile``,
+    or with ``torch._dynamo.compiled_autograd._enable(compiler_fn)``. Inside
+    ``with ca_runtime.replace_torch():`` both run on ca instead: torch's
+    ``_enable`` is replaced by one that enters ``enable(compiler_fn)`` (its
+    ``dynamic`` argument is ignored: ca decides dynamic sizes itself), so the
+    config path's context, made anew on every call of the compiled function,
+    finds one cache (see [Note: Compilers made anew]). On exit torch's own
+    ``_enable`` is back. It changes nothing that does not go through those
+    entry points; ``TORCH_LOGS=compiled_autograd`` prints ca's logs too (see
+    ``_log.py``).
+    """
+    keep_hook_across_torch_disable()
+    with routed_torch_compiled_autograd(enable):
+        yield
+
+
 def reset() -> None:
     """Empties the shadow-graph cache (of every compiler), zeroes the counters and forgets ``last_graph()``."""
     ca_core.clear_cache()
+    forget_captures()
     ca_core.reset_counters()
     reset_graph_breaks()
     reset_background_counts()
@@ -297,6 +298,7 @@ def _release_at_exit() -> None:
     finalisation, where a decref from a non-Python thread (a gloo worker
     finishing a collective) would wait for the GIL that shutdown holds.
     """
+    forget_compiler_keys()  # no compiler's weakref callback runs during finalisation
     ca_core.uninstall_engine_hook()
     ca_core.clear_cache()
 

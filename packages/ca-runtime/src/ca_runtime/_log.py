@@ -4,8 +4,22 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
+import warnings
 
-__all__ = ["EagerFallbackWarning", "GraphBreakWarning", "log", "miss_log"]
+import ca_core
+import torch
+
+from ca_runtime._torch_interop import register_ca_logs
+
+__all__ = [
+    "EagerFallbackWarning",
+    "GraphBreakWarning",
+    "RecompileWarning",
+    "log",
+    "miss_log",
+    "warn_at_user_line",
+]
 
 log = logging.getLogger("ca_runtime")
 #: One INFO line per capture after the first: where and why the cache missed.
@@ -13,13 +27,28 @@ miss_log = logging.getLogger("ca_runtime.misses")
 
 
 def _configure_from_env() -> None:
-    """``CA_LOGS=misses`` (comma-separated) prints the miss explanations to stderr."""
+    """Where ca_runtime's logs go, from the environment.
+
+    ``CA_LOGS=misses`` (comma-separated) prints the miss explanations to
+    stderr. Code written for torch's compiled autograd reads
+    ``TORCH_LOGS=compiled_autograd``: it prints the same miss explanations and
+    ca_runtime's INFO lines (captures' breaks, fallbacks, choices), and
+    ``TORCH_LOGS=compiled_autograd_verbose`` adds each captured graph's code
+    (DEBUG). ``torch._logging.set_logs(ca=logging.INFO)`` works as for any
+    torch log (the ``ca`` log is registered with torch).
+    """
     wanted = {part.strip() for part in os.environ.get("CA_LOGS", "").split(",")}
-    if "misses" in wanted and not miss_log.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
-        miss_log.addHandler(handler)
-        miss_log.setLevel(logging.INFO)
+    torch_wanted, torch_verbose = register_ca_logs()
+    for logger, on, level in (
+        (miss_log, "misses" in wanted or torch_wanted or torch_verbose, logging.INFO),
+        (log, torch_wanted or torch_verbose, logging.DEBUG if torch_verbose else logging.INFO),
+    ):
+        if on and not logger.handlers:
+            handler = logging.StreamHandler()
+            handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+            logger.addHandler(handler)
+            logger.setLevel(level)
+            logger.propagate = False
 
 
 _configure_from_env()
@@ -31,3 +60,30 @@ class EagerFallbackWarning(UserWarning):
 
 class GraphBreakWarning(UserWarning):
     """Part of a compiled backward runs eagerly behind a graph break (once per node and reason)."""
+
+
+class RecompileWarning(UserWarning):
+    """A backward is captured and compiled again that an equivalent compiler had compiled already."""
+
+
+#: Frames in these directories are ours or torch's: a warning names the first frame outside them.
+_INTERNAL_DIRS = (
+    os.path.dirname(__file__) + os.sep,
+    os.path.dirname(torch.__file__) + os.sep,
+    os.path.dirname(ca_core.__file__) + os.sep,
+)
+
+
+def warn_at_user_line(message: str, category: type[Warning]) -> None:
+    """``warnings.warn`` attributed to the user's line that led here (their ``backward()`` call).
+
+    The stack between that line and us is ca_runtime's and torch's (autograd's
+    ``backward``, Dynamo's frames); Python 3.11 has no ``skip_file_prefixes``,
+    so the level is counted here. Only on warning paths, never on a hit.
+    """
+    frame = sys._getframe(1)
+    level = 1
+    while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL_DIRS):
+        frame = frame.f_back  # type: ignore[assignment]
+        level += 1
+    warnings.warn(message, category, stacklevel=level + 1 if frame is not None else 2)

@@ -18,6 +18,7 @@ after the run reads, its results.
 from __future__ import annotations
 
 import operator
+import weakref
 from typing import Any, cast
 
 import ca_core
@@ -120,7 +121,8 @@ class _Plan:
         )
 
 
-def _fuse(graph: torch.fx.Graph, run: list[torch.fx.Node]) -> None:
+def _fuse(graph: torch.fx.Graph, run: list[torch.fx.Node]) -> int:
+    """Replaces ``run`` by one apply_nodes call; returns the id of the plan it registered."""
     plan = _Plan(run)
     members = plan.members
     # Getitems of the run's grads that something after the run reads.
@@ -138,6 +140,7 @@ def _fuse(graph: torch.fx.Graph, run: list[torch.fx.Node]) -> None:
         for user in list(member.users):
             graph.erase_node(user)
         graph.erase_node(member)
+    return plan_id
 
 
 def fuse_node_runs(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -148,9 +151,16 @@ def fuse_node_runs(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     runs = _runs(graph)
     if not runs:
         return gm
-    for run in runs:
-        _fuse(graph, run)
-    graph.lint()
-    fused = torch.fx.GraphModule(gm, graph, gm.__class__.__name__)
+    plan_ids: list[int] = []
+    try:
+        for run in runs:
+            plan_ids.append(_fuse(graph, run))
+        graph.lint()
+        fused = torch.fx.GraphModule(gm, graph, gm.__class__.__name__)
+    except BaseException:
+        ca_core.release_node_run_plans(plan_ids)
+        raise
     fused.meta.update(gm.meta)
+    # The plans live as long as the graph that calls them; see [Note: Runs of nodes in one call] in ca_core.
+    weakref.finalize(fused, ca_core.release_node_run_plans, plan_ids).atexit = False
     return fused

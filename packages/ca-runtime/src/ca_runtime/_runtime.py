@@ -54,7 +54,6 @@ import gc
 import logging
 import threading
 import time
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -64,17 +63,20 @@ import torch
 from ca_runtime._aot import is_aot_backward
 from ca_runtime._background import compiles_done, take_started
 from ca_runtime._capture import UnsupportedNode, build_graph_module
+from ca_runtime._compiler_key import compiler_name, note_first_capture
 from ca_runtime._dynamo_direct import wrap_if_dynamo_module
 from ca_runtime._graph_ops import call_user, raised_by_user_code
 from ca_runtime._inductor_passes import UNFUSE_LATE_ADDMM
-from ca_runtime._log import EagerFallbackWarning, GraphBreakWarning, log, miss_log
+from ca_runtime._log import EagerFallbackWarning, GraphBreakWarning, log, miss_log, warn_at_user_line
 from ca_runtime._node_runs import fuse_node_runs
 from ca_runtime._report import records
 from ca_runtime._state import STATE
 from ca_runtime._torch_interop import (
     FakeBackwardCFunction,
     call_backward,
+    forget_sources_with,
     set_locals_to_steal,
+    sources_made,
     warnings_ignored_while_dynamo_compiles,
 )
 
@@ -108,6 +110,20 @@ def _describe(error: BaseException) -> str:
 
 
 CompilerFn = Callable[[torch.fx.GraphModule], Callable[..., Any]]
+
+
+class _CompiledOutputError(TypeError):
+    """A compiled graph's first run returned something else than its outputs; see [Note: What a compiled graph returns]."""
+
+
+def _what(value: object) -> str:
+    """A returned value in a message: ``None``, ``a list of 0 values``, ``an int``."""
+    if value is None:
+        return "None"
+    if isinstance(value, (list, tuple)):
+        return f"a {type(value).__name__} of {len(value)} values"
+    name = type(value).__name__
+    return ("an " if name[:1].lower() in "aeiou" else "a ") + name
 
 
 def _in_multi_process_group() -> bool:
@@ -219,8 +235,11 @@ def _backward_inductor_options() -> Iterator[None]:
 class Runtime:
     """Serves one ``enable()`` context: its compiler and its last captured graph."""
 
-    def __init__(self, compiler_fn: CompilerFn) -> None:
-        self.compiler_fn = compiler_fn
+    def __init__(self, compiler_fn: CompilerFn, shown_as: object = None) -> None:
+        #: What the user passed to ``enable()``: a backend name or their callable.
+        self.compiler_fn: object = compiler_fn if shown_as is None else shown_as
+        #: The callable each captured graph is compiled with (a backend name resolved).
+        self._compile = compiler_fn
         #: The reason of the last fallback warned about; ca_core stores it on
         #: the failed cache entry (``cache_info()``).
         self.last_failure = ""
@@ -238,6 +257,16 @@ class Runtime:
     ) -> tuple[Callable[..., Any], list[int], list[bool], list[int], bool] | None:
         record = records.begin_capture(graph, self.compiler_key)
         self._records.pending = self._records.failed_first_run = None
+        note_first_capture(self.compiler_key)  # see [Note: Compilers made anew]
+        with sources_made() as sources:  # see [Note: Sources of our graphs] in _torch_interop.py
+            compiled = self._capture_and_compile(graph, record)
+        if compiled is not None:
+            forget_sources_with(compiled[0], sources)
+        return compiled
+
+    def _capture_and_compile(
+        self, graph: ca_core.BackwardGraph, record: records.CaptureRecord
+    ) -> tuple[Callable[..., Any], list[int], list[bool], list[int], bool] | None:
         start = time.perf_counter()
         try:
             captured = build_graph_module(graph)
@@ -259,13 +288,16 @@ class Runtime:
         start = time.perf_counter()
         form = _compiled_form(gm)
         try:
-            compiled = self.compiler_fn(form)
+            compiled = self._compile(form)
         except Exception as e:  # noqa: BLE001 - any compiler failure is a fallback with a warning
             records.capture_failed(record, "compiler_fn", _describe(e))
             self._fallback("compiler_fn", _describe(e), record)
             return None
         if not callable(compiled):
-            reason = f"returned {type(compiled).__name__}, not a callable"
+            reason = (
+                f"{self._describe_compiler()} returned {_what(compiled)}, not a callable: return gm, "
+                "torch.compile(gm, ...) or a wrapper that calls one of them"
+            )
             records.capture_failed(record, "compiler_fn", reason)
             self._fallback("compiler_fn", reason, record)
             return None
@@ -273,6 +305,7 @@ class Runtime:
         compiled = wrap_if_dynamo_module(compiled, form)
         records.capture_compiled(record, time.perf_counter() - start)
         self._records.pending = record
+        self._records.num_outputs = graph.num_outputs + len(captured.leaf_outputs)
         # See take_compiling(): a torch.compile'd region's real backward, run
         # eagerly, would compile AOTAutograd's own backward graph.
         eager_is_cheap = not any(is_aot_backward(node) for node in graph.nodes)
@@ -280,7 +313,7 @@ class Runtime:
         for brk in STATE.record_capture(gm, captured.graph_breaks):
             message = f"ca_runtime: graph break at {brk.node_name} (node {brk.node_index}): {brk.reason}"
             log.info(message)
-            warnings.warn(message, GraphBreakWarning, stacklevel=2)
+            warn_at_user_line(message, GraphBreakWarning)
         # Whether eager_if_faster may apply to this graph; whether it does is
         # the installed enable()'s (read by ca_core at install).
         may_run_eagerly = eager_is_cheap and not _in_multi_process_group()
@@ -309,6 +342,7 @@ class Runtime:
         # The record of the capture just made on this thread (None: another
         # thread's capture, whose first run this backward happens to make).
         record: records.CaptureRecord | None = getattr(self._records, "pending", None)
+        num_outputs: int | None = getattr(self._records, "num_outputs", None) if record is not None else None
         self._records.pending = None
         # Described before the call: Dynamo takes the items of `inputs` over
         # (see [Note: Saved tensors freed early] in ca_core).
@@ -324,12 +358,15 @@ class Runtime:
                 _backward_inductor_options(),
             ):
                 outputs = compiled(inputs, sizes, scalars, hooks)
+            self._check_outputs(outputs, num_outputs)
         except Exception as e:
             if raised_by_user_code(e):  # see [Note: User errors are tagged] in _graph_ops.py
                 raise
             # ca_core runs this backward eagerly and calls report_fallback only
             # if eager succeeds (see [Note: Whose failure] in ca_core).
-            self.last_failure = "first run failed: " + _describe(e)
+            self.last_failure = (
+                str(e) if isinstance(e, _CompiledOutputError) else "first run failed: " + _describe(e)
+            )
             if record is not None:
                 records.first_run_done(
                     record, time.perf_counter() - start, described, scalars, hooks, self.last_failure
@@ -339,6 +376,31 @@ class Runtime:
         if record is not None:
             records.first_run_done(record, time.perf_counter() - start, described, scalars, hooks)
         return outputs
+
+    def _describe_compiler(self) -> str:
+        """The compiler_fn as the user passed it, for messages."""
+        if isinstance(self.compiler_fn, str):
+            return f"compiler_fn {self.compiler_fn!r}"
+        return f"compiler_fn {compiler_name(self.compiler_fn)}"
+
+    def _check_outputs(self, outputs: object, num_outputs: int | None) -> None:
+        """[Note: What a compiled graph returns]
+        The callable a compiler_fn returns is called as the GraphModule is,
+        ``compiled(inputs, sizes, scalars, hooks)``, and must return what it
+        returns: a list or tuple of ``num_outputs`` values (tensors or None).
+        On its first run anything else is a compile failure of that graph,
+        like a compiler_fn that raises: one EagerFallbackWarning naming the
+        compiler and what it returned, and the backward runs eagerly (on a
+        hit, ca_core raises TypeError/RuntimeError: the graph changed what
+        it returns after it was checked).
+        """
+        ok = isinstance(outputs, (list, tuple)) and (num_outputs is None or len(outputs) == num_outputs)
+        if not ok:
+            wanted = "a list or tuple" + (f" of {num_outputs} values" if num_outputs is not None else "")
+            raise _CompiledOutputError(
+                f"the callable returned by {self._describe_compiler()} gave {_what(outputs)}, not {wanted} "
+                "(the graph's outputs): return gm, torch.compile(gm, ...) or a wrapper that returns their result"
+            )
 
     @staticmethod
     def _log_miss(graph: ca_core.BackwardGraph) -> None:
@@ -420,4 +482,4 @@ class Runtime:
             f"ca_runtime: {node} cannot be compiled ({first_line}); this backward runs on the eager engine"
         )
         log.info(message)
-        warnings.warn(message, EagerFallbackWarning, stacklevel=2)
+        warn_at_user_line(message, EagerFallbackWarning)

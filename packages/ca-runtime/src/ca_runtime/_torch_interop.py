@@ -29,6 +29,21 @@ Used through this module:
      (shape, dtype and device of each saved tensor, recorded at pack time by
      ``_default_meta_extractor``); see [Note: Checkpoint regions in the graph]
      in _checkpoint.py.
+  9. ``torch.fx.graph_module._loader`` (``next_id``, ``eval_cache``): FX
+     keeps the source of every GraphModule it generates, and a linecache
+     entry for it, for the life of the process; see [Note: Sources of our
+     graphs].
+  10. ``torch._dynamo.eval_frame._TorchDynamoContext`` and
+     ``innermost_backend``: the backend a ``torch.compile`` context compiles
+     with, so that the context ``torch._dynamo.config.compiled_autograd``
+     makes anew on every call keys one cache (see [Note: Compilers made
+     anew] in _compiler_key.py).
+  11. ``torch._dynamo.compiled_autograd._enable``, ``active_disable_ctx`` and
+     Dynamo's compile stance: replaced by ``replace_torch()``; see [Note:
+     Running torch's entry points on ca] in _enable.py.
+  12. ``torch._logging._internal``: ``register_log`` (``torch._logging.set_logs(ca=...)``)
+     and ``log_state.is_artifact_enabled`` (``TORCH_LOGS=compiled_autograd``);
+     see _log.py.
 Used in place, because they are what the module is about:
   6. AOTAutograd's ``CompiledFunction`` internals in _aot.py (``_aot_id``,
      ``_bw_prologue_fn``, ``metadata``, ``maybe_subclass_metadata``,
@@ -54,8 +69,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import linecache
 import types
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -70,10 +87,15 @@ __all__ = [
     "checkpoint_frame",
     "checkpoint_saved_index",
     "checkpoint_saved_metadata",
+    "dynamo_context_backend",
     "dynamo_skips",
+    "forget_sources_with",
     "keep_hook_across_torch_disable",
     "rearm_torch_compiled_autograd",
+    "register_ca_logs",
+    "routed_torch_compiled_autograd",
     "set_locals_to_steal",
+    "sources_made",
     "torch_compiled_autograd_enabled",
     "warnings_ignored_while_dynamo_compiles",
 ]
@@ -259,3 +281,92 @@ def checkpoint_saved_metadata(hook: Any, cell: int, index: int) -> dict[str, Any
     """
     metadata: dict[str, Any] = hook.__closure__[cell].cell_contents.x_metadatas[index]
     return metadata
+
+
+# [Note: Sources of our graphs]
+# Every GraphModule's recompile() stores its generated source in torch.fx's
+# eval cache and registers it with linecache, under a key
+# "<eval_with_key>.N", and nothing ever removes it: about 60 KB per capture of
+# a 300-node backward (two modules: the captured graph and its fused form),
+# which reset() could not give back. The capture notes the keys made while it
+# builds and compiles (sources_made) and drops them when the graph module the
+# compiled callable runs dies (forget_sources_with): a dict pop each, safe
+# from a finalizer. Only tracebacks through a dead graph read those sources.
+
+
+@contextlib.contextmanager
+def sources_made() -> Iterator[list[str]]:
+    """9. The keys of the FX sources generated inside the context (filled in on exit)."""
+    loader = torch.fx.graph_module._loader
+    first = loader.next_id
+    keys: list[str] = []
+    try:
+        yield keys
+    finally:
+        made = {f"<eval_with_key>.{n}" for n in range(first, loader.next_id)}
+        if made:
+            keys.extend(k for k in list(loader.eval_cache) if k.split(" ", 1)[0] in made)
+
+
+def _forget_sources(keys: list[str]) -> None:
+    eval_cache = torch.fx.graph_module._loader.eval_cache
+    for key in keys:
+        eval_cache.pop(key, None)
+        linecache.cache.pop(key, None)
+
+
+def forget_sources_with(owner: object, keys: list[str]) -> None:
+    """9. Drops ``keys`` from FX's eval cache and linecache when ``owner`` dies."""
+    if keys:
+        weakref.finalize(owner, _forget_sources, keys).atexit = False
+
+
+def dynamo_context_backend(obj: object) -> tuple[object, object] | None:
+    """10. ``(backend, dynamic)`` of a ``torch.compile``/``torch._dynamo.optimize`` context, else None."""
+    eval_frame = torch._dynamo.eval_frame
+    if not isinstance(obj, eval_frame._TorchDynamoContext):
+        return None
+    return eval_frame.innermost_backend(obj.callback), getattr(obj, "_dynamic", None)  # type: ignore[arg-type]
+
+
+@contextlib.contextmanager
+def routed_torch_compiled_autograd(
+    enable: Callable[[Any], contextlib.AbstractContextManager[Any]],
+) -> Iterator[None]:
+    """11. ``torch._dynamo.compiled_autograd._enable`` routed to ``enable(compiler_fn)`` inside the context.
+
+    torch's own checks stay: an active ``_disable()`` wins where torch's
+    caller asks for it (``ignore_active_disable_ctx=False``, as the
+    ``config.compiled_autograd`` path does) and the ``"force_eager"`` stance
+    runs backwards eagerly. ``dynamic`` is torch's capture option; ca decides
+    dynamic sizes itself (see [Note: Dynamic sizes] in ca_core).
+    """
+    module = torch._dynamo.compiled_autograd
+    replaced = module._enable
+
+    @contextlib.contextmanager
+    def _enable(
+        compiler_fn: Callable[..., Any], dynamic: bool = True, ignore_active_disable_ctx: bool = True
+    ) -> Iterator[None]:
+        del dynamic
+        eager = (not ignore_active_disable_ctx and module.active_disable_ctx) or (
+            torch._dynamo.eval_frame._stance.stance == "force_eager"
+        )
+        with contextlib.nullcontext() if eager else enable(compiler_fn):
+            yield
+
+    module._enable = _enable
+    try:
+        yield
+    finally:
+        module._enable = replaced
+
+
+def register_ca_logs() -> tuple[bool, bool]:
+    """12. Registers the ``ca`` log with torch; returns whether TORCH_LOGS asks for compiled_autograd(_verbose)."""
+    internal = torch._logging._internal
+    internal.register_log("ca", "ca_runtime")
+    state = internal.log_state
+    return state.is_artifact_enabled("compiled_autograd"), state.is_artifact_enabled(
+        "compiled_autograd_verbose"
+    )

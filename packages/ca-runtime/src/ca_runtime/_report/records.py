@@ -243,19 +243,20 @@ def begin_capture(graph: ca_core.BackwardGraph, compiler: str) -> CaptureRecord:
 def miss_category(miss_node: int | None, miss_reason: str) -> str:
     """A miss reason without its numbers, to count alike misses together.
 
-    ``size input #3 of SumBackward0 (node 1) changed from 4 to 8 and is now
-    dynamic`` -> ``a size changed and is now dynamic``.
+    ``a size SumBackward0 (node 1) saved in the forward (#0) changed from 4
+    to 8 and is now dynamic`` -> ``a size changed and is now dynamic``;
+    ``a hook was added to its Python tensor hooks (1 now, 0 in the cached
+    graph)`` -> ``a hook was added to its Python tensor hooks``.
     """
     if miss_node is None:
         return "first capture of this backward (no cached graph on its path)"
     parts: list[str] = []
     for reason in miss_reason.split("; "):
-        if reason.startswith(("key bytes", "and ")):
+        if reason.startswith("and "):
             continue
-        size_change = re.match(r"size input #\d+ of .* changed from -?\d+ to -?\d+(.*)", reason)
+        size_change = re.match(r".* changed from -?\d+ to -?\d+(.*)", reason)
         part = "a size changed" + size_change.group(1) if size_change else reason
-        part = re.sub(r"\(node \d+\)|#\d+", "", part)
-        part = re.sub(r"\d+ -> \d+", "N -> M", part)
+        part = re.sub(r"\(node \d+\)|\(#\d+\)|#\d+|\(\d+ now, \d+ in the cached graph\)", "", part)
         part = re.sub(r"\s+", " ", part).strip()
         if part not in parts:
             parts.append(part)

@@ -1,0 +1,88 @@
+"""Never a segfault: what a backward or the cache uses stays alive while it is used.
+
+See [Note: What the cache lets go of] and [Note: Engine hook lifetime] in
+ca_core. Each program runs in a fresh process under ``PYTHONMALLOC=debug``
+and faulthandler (tests/scripts/lifetimes.py): a use-after-free crashes it
+there, and its stderr must be empty (no fault, no "Exception ignored in" at
+exit). The gradients each prints are eager's.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import ca_core
+import ca_runtime
+import pytest
+import torch
+
+SCRIPT = Path(__file__).parent / "scripts" / "lifetimes.py"
+
+
+def _run(*args: str, timeout: float = 240) -> str:
+    env = {**os.environ, "PYTHONMALLOC": "debug", "PYTHONFAULTHANDLER": "1"}
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), *args],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+    assert done.returncode == 0 and done.stderr == "", (done.returncode, done.stderr[-3000:])
+    assert done.stdout.startswith("ok"), done.stdout
+    return done.stdout.strip()
+
+
+def test_reset_that_kills_the_compiler_its_graphs_held() -> None:
+    assert _run("reset_kills_the_compiler") == "ok []"
+
+
+def test_a_compiler_still_cached_at_exit_prints_nothing() -> None:
+    assert _run("compiler_cached_at_exit") == "ok 1"
+
+
+def test_reset_inside_a_backward() -> None:
+    assert _run("reset_inside_a_backward") == "ok True"
+
+
+@pytest.mark.parametrize("program", ["exit_while_another_thread_backwards", "exit_during_a_slow_compile"])
+def test_enable_exits_while_a_backward_is_in_flight(program: str) -> None:
+    expected = [[2.0] * 4] if "thread" in program else [[3.0] * 4]
+    assert _run(program) == f"ok {expected}"
+
+
+def test_compilers_made_and_dropped_while_two_threads_backward() -> None:
+    assert _run("compilers_made_and_dropped", "150", timeout=400) == "ok []"
+
+
+def test_no_node_run_plan_or_graph_source_outlives_reset(backend: str) -> None:
+    """What a capture registers beside its graph is released with it (issue 34: memory reset() kept)."""
+    from torch.fx.graph_module import _loader
+
+    x = torch.randn(8, requires_grad=True)
+
+    def chain() -> torch.Tensor:
+        y = x
+        for _ in range(30):
+            y = (y * 1.01).sin()
+        return y.sum()
+
+    with ca_runtime.enable(lambda gm: gm):
+        chain().backward()
+    ca_runtime.reset()
+    import gc
+
+    gc.collect()
+    plans, sources = ca_core.live_node_run_plans(), len(_loader.eval_cache)
+    for _ in range(3):
+        with ca_runtime.enable(lambda gm: gm):
+            chain().backward()
+        assert ca_core.live_node_run_plans() > plans  # the capture fused runs of nodes
+        ca_runtime.reset()
+        gc.collect()
+    assert ca_core.live_node_run_plans() == plans
+    assert len(_loader.eval_cache) == sources
