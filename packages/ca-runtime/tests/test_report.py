@@ -531,3 +531,19 @@ def test_cli_without_a_saved_report_says_what_to_do(tmp_path: Path, monkeypatch:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     with pytest.raises(SystemExit, match=r"CA_REPORT=out\.html"):
         cli_main(["report"])
+
+
+def test_stage_times_show_first_runs_apart_from_cache_hits(tmp_path: Path) -> None:
+    """A first run (a lazy compile) and a hit are averaged apart: one average over both says nothing."""
+    model = _model()
+    ca_runtime.collect_timings()
+    try:
+        with ca_runtime.enable("eager", eager_if_faster=False):
+            for _ in range(4):
+                model(torch.randn(4, 4)).sum().backward()
+    finally:
+        ca_runtime.collect_timings(False)
+    assert ca_runtime.stats()["captures"] == 1 and ca_runtime.stats()["cache_hits"] == 3
+    page = ca_runtime.report(tmp_path / "r.html").read_text()
+    assert "first runs (include the lazy compile)" in page and "compiled runs on cache hits" in page
+    assert "per timed backward" not in page and "cache hits and first runs" not in page
