@@ -509,6 +509,34 @@ double seconds(uint64_t ns) {
 }
 
 /// One node of the cache as cache_tree() shows it (a plain copy).
+/// A node summary in words, for the report's cache tree.
+std::string describe_summary(const NodeSummary& summary) {
+  static const char* kinds[] = {
+      "Python tensor hooks", "C++ tensor hooks", "grad_fn pre-hooks", "grad_fn hooks",
+      "post-accumulate-grad hooks"};
+  std::vector<std::string> parts;
+  for (size_t i = 0; i < summary.hooks.size(); ++i) {
+    if (summary.hooks[i] > 0) {
+      parts.push_back(std::to_string(summary.hooks[i]) + " " + kinds[i]);
+    }
+  }
+  if (summary.grad_defined >= 0) {
+    parts.push_back(summary.grad_defined ? ".grad defined" : ".grad None");
+  }
+  if (!summary.tensors.empty()) {
+    std::string saved = "saves";
+    for (const auto& t : summary.tensors) {
+      saved += (saved.size() > 5 ? ", " : " ") + t;
+    }
+    parts.push_back(saved);
+  }
+  std::string out;
+  for (const auto& part : parts) {
+    out += (out.empty() ? "" : "; ") + part;
+  }
+  return out;
+}
+
 struct CacheTreeNode {
   /// ShadowNode::id.
   uint64_t id = 0;
@@ -518,6 +546,9 @@ struct CacheTreeNode {
   std::string compiler;
   /// Name of the autograd node whose key leads here ("" for a root).
   std::string node_name;
+  /// What that node looked like, in words ("2 Python tensor hooks; .grad
+  /// defined; saves Float cpu"): what tells apart siblings of one name.
+  std::string node_detail;
   /// Backwards served by this node's graph.
   uint64_t hits = 0;
   /// Holds a compiled graph (the walk of some backward ended here).
@@ -568,6 +599,7 @@ void register_shadow_cache(nb::module_& m) {
       .def_ro("parent", &CacheTreeNode::parent)
       .def_ro("compiler", &CacheTreeNode::compiler)
       .def_ro("node_name", &CacheTreeNode::node_name)
+      .def_ro("node_detail", &CacheTreeNode::node_detail)
       .def_ro("hits", &CacheTreeNode::hits)
       .def_ro("has_graph", &CacheTreeNode::has_graph)
       .def_ro("failed", &CacheTreeNode::failed)
@@ -595,6 +627,7 @@ void register_shadow_cache(nb::module_& m) {
             row.parent = parent;
             row.compiler = compiler;
             row.node_name = node->summary ? node->summary->name : std::string();
+            row.node_detail = node->summary ? describe_summary(*node->summary) : std::string();
             row.hits = node->hits;
             row.has_graph = node->compiled_fn.is_valid();
             row.failed = node->failed;

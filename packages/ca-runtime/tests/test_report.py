@@ -547,3 +547,14 @@ def test_stage_times_show_first_runs_apart_from_cache_hits(tmp_path: Path) -> No
     page = ca_runtime.report(tmp_path / "r.html").read_text()
     assert "first runs (include the lazy compile)" in page and "compiled runs on cache hits" in page
     assert "per timed backward" not in page and "cache hits and first runs" not in page
+
+
+def test_cache_tree_siblings_of_one_name_say_how_they_differ(tmp_path: Path) -> None:
+    """A leaf's AccumulateGrad with .grad None and with .grad defined: two branches, told apart in words."""
+    lin = torch.nn.Linear(3, 2)
+    with ca_runtime.enable("eager"):
+        lin(torch.randn(2, 3)).sum().backward()  # .grad None
+        lin(torch.randn(2, 3)).sum().backward()  # .grad defined
+    assert ca_runtime.stats()["captures"] == 2
+    page = ca_runtime.report(tmp_path / "r.html").read_text()
+    assert "(.grad None" in page and "(.grad defined" in page, page[:2000]

@@ -211,6 +211,12 @@ def _cache_tree(data: ReportData) -> str:
             if len(names) > 5:
                 names = [*names[:2], f"… {len(names) - 4} nodes …", *names[-2:]]
             label = " → ".join(f"<code>{e(name)}</code>" for name in names)
+            # Siblings whose first node has the same name differ in what it
+            # looked like (a hook, .grad, a saved dtype): say so.
+            twins = [by_id[s] for s in children.get(chain[0].parent, []) if s != chain[0].id]
+            if chain[0].node_detail and any(t.node_name == chain[0].node_name for t in twins):
+                label += f' <span class="detail">({e(chain[0].node_detail)})</span>'
+
         badges = []
         if end.parent == -1 and not children.get(end.id):
             badges.append('<span class="badge">empty</span>')

@@ -68,6 +68,9 @@ class TreeNode:
     eager_median_s: float = 0.0
     #: Median of its last timing's paired ratios compiled / eager (0.0 before one).
     compiled_over_eager: float = 0.0
+    #: What that node looked like (hooks, ``.grad``, saved tensors): what
+    #: tells siblings of one name apart.
+    node_detail: str = ""
 
 
 @dataclasses.dataclass
@@ -194,6 +197,7 @@ def build_report_data() -> ReportData:
                 parent=n.parent,
                 compiler=n.compiler,
                 node_name=n.node_name,
+                node_detail=n.node_detail,
                 hits=n.hits,
                 has_graph=n.has_graph,
                 failed=n.failed,
