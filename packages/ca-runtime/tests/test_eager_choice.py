@@ -69,7 +69,9 @@ def test_a_graph_slower_than_eager_runs_on_the_eager_engine(
     step, model = _hooked_mlp_step()
     with caplog.at_level(logging.INFO, logger="ca_runtime"):
         compiler_fn = _slow_graph(backend)
-        comparison = ca_testkit.compare(step, compiler_fn, tensors=list(model.parameters()), steps=STEPS)
+        comparison = ca_testkit.compare(
+            step, compiler_fn, tensors=list(model.parameters()), steps=STEPS, impl="ca-timed"
+        )
     comparison.assert_ok()
     stats = comparison.stats
     assert stats["captures"] == 1 and stats["eager_fallbacks"] == 0 and stats["graph_breaks"] == 0, stats
@@ -94,7 +96,9 @@ def test_a_backward_served_eagerly_by_choice_is_recognised_without_a_walk(backen
     step, model = _hooked_mlp_step()
     extra = WALK_EVERY + 1
     compiler_fn = _slow_graph(backend)  # alive: its cache entries go with it
-    comparison = ca_testkit.compare(step, compiler_fn, tensors=list(model.parameters()), steps=STEPS + extra)
+    comparison = ca_testkit.compare(
+        step, compiler_fn, tensors=list(model.parameters()), steps=STEPS + extra, impl="ca-timed"
+    )
     comparison.assert_ok()
     stats = comparison.stats
     assert stats["captures"] == 1 and stats["eager_fallbacks"] == 0 and stats["graph_breaks"] == 0, stats
@@ -145,8 +149,8 @@ def test_hooks_run_in_the_backwards_grad_mode_whichever_way_it_is_served(
     state, and nothing on the eager engine; see [Note: The hook's grad mode].
     """
     step, calls = _grad_mode_step(create_graph, ambient)
-    # Compiled: always the graph (ca-compiled); slow: its hits chose the eager engine.
-    compiler_fn, impl = (_slow_graph("eager"), "ca") if slow else ("eager", "ca-compiled")
+    # Compiled: always the graph (ca-compiled); slow: its hits chose the eager engine (ca-timed).
+    compiler_fn, impl = (_slow_graph("eager"), "ca-timed") if slow else ("eager", "ca-compiled")
     comparison = ca_testkit.compare(step, compiler_fn, steps=STEPS + 2, impl=impl)
     comparison.assert_ok()
     # The last step's calls, ours' (eager's matched them step by step).
@@ -183,7 +187,9 @@ def test_a_new_hook_is_captured_within_the_walk_interval_and_runs_meanwhile() ->
         return plain(i), list(calls)
 
     steps = hooked_at + WALK_EVERY
-    comparison = ca_testkit.compare(step, _slow_graph("eager"), tensors=list(model.parameters()), steps=steps)
+    comparison = ca_testkit.compare(
+        step, _slow_graph("eager"), tensors=list(model.parameters()), steps=steps, impl="ca-timed"
+    )
     comparison.assert_ok()
     stats = comparison.stats
     assert stats["eager_without_walk"] > 0, stats
@@ -215,7 +221,9 @@ def test_a_graph_faster_than_eager_stays_compiled() -> None:
         loss.backward()
         return loss
 
-    comparison = ca_testkit.compare(step, "aot_eager", tensors=list(model.parameters()), steps=STEPS)
+    comparison = ca_testkit.compare(
+        step, "aot_eager", tensors=list(model.parameters()), steps=STEPS, impl="ca-timed"
+    )
     comparison.assert_ok()
     stats = comparison.stats
     assert stats["captures"] == 1 and stats["eager_fallbacks"] == 0 and stats["graph_breaks"] == 0, stats
@@ -254,7 +262,9 @@ def test_only_plain_backwards_are_timed(backend: str) -> None:
         return loss
 
     compiler_fn = _slow_graph(backend)
-    comparison = ca_testkit.compare(step, compiler_fn, tensors=list(model.parameters()), steps=STEPS)
+    comparison = ca_testkit.compare(
+        step, compiler_fn, tensors=list(model.parameters()), steps=STEPS, impl="ca-timed"
+    )
     comparison.assert_ok()
     stats = comparison.stats
     assert stats["cache_hits"] == STEPS - 1 and stats["eager_by_choice"] == 0, stats
@@ -271,7 +281,7 @@ def test_the_choice_is_per_enable() -> None:
         for i in range(3):
             step(i)
     assert _entry().served_by == "compiled" and ca_runtime.stats()["eager_by_choice"] == 0
-    with ca_runtime.enable(compiler_fn):
+    with ca_runtime.enable(compiler_fn, eager_if_faster=True):
         for i in range(STEPS - 1):  # the graph was captured and ran already
             step(i)
     stats = ca_runtime.stats()
@@ -304,7 +314,7 @@ def test_the_schedule_alternates_and_times_again_later() -> None:
 
     current = [0]
     steps = 1 + WARMUP + 2 * TIMED + 500 + 2 * TIMED + 3
-    with ca_runtime.enable(compiler_fn):
+    with ca_runtime.enable(compiler_fn, eager_if_faster=True):
         for i in range(steps):
             current[0] = i
             step(i)
@@ -328,7 +338,9 @@ def test_new_sizes_are_a_miss_while_eager_is_chosen(backend: str) -> None:
     def step(i: int) -> torch.Tensor:
         return mlp_step(model, n=6 if i < STEPS else 5)(i)
 
-    comparison = ca_testkit.compare(step, compiler_fn, tensors=list(model.parameters()), steps=STEPS + 1)
+    comparison = ca_testkit.compare(
+        step, compiler_fn, tensors=list(model.parameters()), steps=STEPS + 1, impl="ca-timed"
+    )
     comparison.assert_ok()
     stats = comparison.stats
     # The new batch size is captured again (its sizes made dynamic), not run eagerly.
@@ -347,7 +359,7 @@ def test_a_users_error_on_the_eager_engine_is_eagers_and_changes_nothing() -> No
 
     model[0].bias.register_hook(hook)
     compiler_fn = _slow_graph("eager")
-    with ca_runtime.enable(compiler_fn):
+    with ca_runtime.enable(compiler_fn, eager_if_faster=True):
         for i in range(STEPS):
             step(i)
         assert _entry().served_by == "eager"
@@ -380,7 +392,9 @@ def test_a_torch_compiled_regions_backward_is_not_timed_eagerly() -> None:
         return loss
 
     compiler_fn = _slow_graph("eager")
-    comparison = ca_testkit.compare(step, compiler_fn, tensors=list(model.parameters()), steps=STEPS)
+    comparison = ca_testkit.compare(
+        step, compiler_fn, tensors=list(model.parameters()), steps=STEPS, impl="ca-timed"
+    )
     comparison.assert_ok()
     stats = comparison.stats
     assert stats["eager_by_choice"] == 0 and stats["cache_hits"] == STEPS - 1, stats
@@ -390,3 +404,39 @@ def test_a_torch_compiled_regions_backward_is_not_timed_eagerly() -> None:
 def test_eager_if_faster_must_be_a_bool() -> None:
     with pytest.raises(TypeError, match="eager_if_faster must be a bool, got int"):
         ca_runtime.enable("eager", eager_if_faster=1)  # type: ignore[arg-type]
+
+
+def test_the_default_runs_compiled_and_times_nothing() -> None:
+    """Reproducible by default: a graph slower than eager still serves every hit; see [Note: A reproducible default]."""
+    model = make_mlp()
+    comparison = ca_testkit.compare(
+        mlp_step(model), _slow_graph("eager"), tensors=list(model.parameters()), steps=STEPS
+    )
+    comparison.assert_ok()
+    stats = comparison.stats
+    assert stats["captures"] == 1 and stats["cache_hits"] == STEPS - 1 and stats["eager_by_choice"] == 0, (
+        stats
+    )
+    assert _entry().served_by == "compiled" and _entry().compiled_median_s == 0.0
+
+
+def test_deterministic_algorithms_turn_the_timing_off_with_one_warning() -> None:
+    model = make_mlp()
+    step = mlp_step(model)
+    import ca_runtime._enable as enable_module
+
+    enable_module._warned_once.discard("deterministic")
+    torch.use_deterministic_algorithms(True)
+    try:
+        with (
+            pytest.warns(RuntimeWarning, match="use_deterministic_algorithms"),
+            ca_runtime.enable(_slow_graph("eager"), eager_if_faster=True),
+        ):
+            for i in range(STEPS):
+                step(i)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    stats = ca_runtime.stats()
+    assert stats["captures"] == 1 and stats["cache_hits"] == STEPS - 1 and stats["eager_by_choice"] == 0, (
+        stats
+    )

@@ -181,7 +181,10 @@ class _EnableContext(_HookContext):
     """
 
     def __init__(
-        self, compiler_fn: CompilerFn | str, compile_in_background: bool = False, eager_if_faster: bool = True
+        self,
+        compiler_fn: CompilerFn | str,
+        compile_in_background: bool = False,
+        eager_if_faster: bool = False,
     ) -> None:
         if not isinstance(eager_if_faster, bool):
             raise TypeError(f"eager_if_faster must be a bool, got {type(eager_if_faster).__name__}")
@@ -196,7 +199,7 @@ class _EnableContext(_HookContext):
         keep_hook_across_torch_disable()
         runtime = Runtime(self._compiler, shown_as=self._compiler_fn)
         runtime.compiler_key = compiler_key(self._compiler_fn, self._compile_in_background)
-        runtime.eager_if_faster = self._eager_if_faster
+        runtime.eager_if_faster = self._eager_if_faster and not _deterministic_refuses_timing()
         ca_core.install_engine_hook(runtime, runtime.compiler_key)
         return runtime
 
@@ -221,8 +224,37 @@ class _DisableContext(_HookContext):
         ca_core.uninstall_engine_hook()
 
 
+#: Warnings given once per process ("deterministic": eager_if_faster under deterministic algorithms).
+_warned_once: set[str] = set()
+
+
+def _deterministic_refuses_timing() -> bool:
+    """[Note: A reproducible default]
+    Which way a timed cache entry serves its hits (compiled or on the eager
+    engine) depends on the machine's timing, and the two round differently
+    (Inductor's kernels are not eager's), so with ``eager_if_faster=True`` a
+    seeded program's gradients can differ between runs and machines. That is
+    why it is opt-in, as ``torch.backends.cudnn.benchmark`` is: the default
+    runs a graph that compiled, compiled, every time. Under
+    ``torch.use_deterministic_algorithms(True)`` (checked when the context is
+    entered) it does not time at all: it warns once and runs compiled.
+    """
+    if not torch.are_deterministic_algorithms_enabled():
+        return False
+    if "deterministic" not in _warned_once:
+        _warned_once.add("deterministic")
+        warnings.warn(
+            "ca_runtime.enable(eager_if_faster=True) chooses between compiled and eager by timing, which is not "
+            "reproducible; torch.use_deterministic_algorithms(True) is on, so backwards run compiled and "
+            "are not timed",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+    return True
+
+
 def enable(
-    compiler_fn: CompilerFn | str, *, compile_in_background: bool = False, eager_if_faster: bool = True
+    compiler_fn: CompilerFn | str, *, compile_in_background: bool = False, eager_if_faster: bool = False
 ) -> _EnableContext:
     """Compiles every ``backward()``/``autograd.grad`` inside the context.
 
@@ -232,11 +264,14 @@ def enable(
     ``compile_in_background=True`` (backend ``"inductor"`` only), Inductor
     compiles each new graph's kernels on a thread while backwards run op by op
     or on the eager engine; see [Note: Compiling in the background] and
-    ``wait_for_background_compiles()``. With ``eager_if_faster=True`` (the
-    default), each captured graph is timed against the eager engine over a
-    few of its cache hits, and its backwards run on the eager engine if that
-    was faster (timed again later; see [Note: Eager when it is faster] in
-    ca_core and ``cache_info()``); ``False`` always runs the graph. Use it as ``with
+    ``wait_for_background_compiles()``. By default a graph that compiled
+    runs compiled on every hit, so the same program gives the same gradients
+    every run. With ``eager_if_faster=True`` (opt-in, timing-based and not
+    bitwise reproducible; see [Note: A reproducible default]), each captured
+    graph is timed against the eager engine over a few of its cache hits,
+    and its backwards run on the eager engine if that was faster (timed
+    again later; see [Note: Eager when it is faster] in ca_core and
+    ``cache_info()``). Use it as ``with
     enable(...) as runtime:``; on exit, by return or by exception, the engine
     hook that was active before is restored (see [Note: Restoring the engine
     hook]). A call that is never entered warns.

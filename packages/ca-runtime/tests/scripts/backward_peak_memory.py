@@ -59,7 +59,10 @@ def main() -> None:
         model.forward = forward  # type: ignore[method-assign]
     eager_choice = sys.argv[2:] == ["eager-choice"]
     compiler_fn = slowed_compiler(sys.argv[1], 0.25) if eager_choice else sys.argv[1]
-    contexts = {"eager": contextlib.nullcontext, "ca": lambda: ca_runtime.enable(compiler_fn)}
+    contexts = {
+        "eager": contextlib.nullcontext,
+        "ca": lambda: ca_runtime.enable(compiler_fn, eager_if_faster=eager_choice),
+    }
     stance_step = 2 if sys.argv[2:] == ["stance"] else -1
     # eager-choice: a first run, 4 untimed hits, 8 timed backwards each way,
     # then the entry runs eagerly ([Note: Eager when it is faster]).
