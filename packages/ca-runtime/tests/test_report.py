@@ -6,6 +6,7 @@ import html
 import html.parser
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -393,6 +394,53 @@ def test_builtin_layout_draws_escaped_svg() -> None:
     assert used == "builtin" and svg.startswith("<svg")
     assert all(f'id="g-n{i}"' in svg for i in range(3)) and svg.count('<path class="edge"') == 3
     assert XSS_NAME not in svg and html.escape(XSS_NAME) in svg
+
+
+def _points_on(d: str) -> list[tuple[float, float]]:
+    """Points along an SVG path of M, L and C commands (as the built-in layout writes them)."""
+    tokens = re.findall(r"[MLC]|-?\d+(?:\.\d+)?", d)
+    points: list[tuple[float, float]] = []
+    at = (0.0, 0.0)
+    i = 0
+    while i < len(tokens):
+        cmd = tokens[i]
+        i += 1
+        count = {"M": 1, "L": 1, "C": 3}[cmd]
+        xy = [(float(tokens[i + 2 * k]), float(tokens[i + 2 * k + 1])) for k in range(count)]
+        i += 2 * count
+        for t in (j / 40 for j in range(41)):
+            if cmd == "L":
+                points.append((at[0] + (xy[0][0] - at[0]) * t, at[1] + (xy[0][1] - at[1]) * t))
+            elif cmd == "C":
+                (x1, y1), (x2, y2), (x3, y3) = xy
+                u = 1 - t
+                points.append(
+                    (
+                        u**3 * at[0] + 3 * u * u * t * x1 + 3 * u * t * t * x2 + t**3 * x3,
+                        u**3 * at[1] + 3 * u * u * t * y1 + 3 * u * t * t * y2 + t**3 * y3,
+                    )
+                )
+        at = xy[-1]
+    return points
+
+
+def test_builtin_layout_edges_never_cross_a_box() -> None:
+    """Long edges (a root feeding every layer, a skip connection) run through the gaps between boxes."""
+    wide = [("AddmmBackward0", "#1"), ("x", "#2"), ("AccumulateGrad", "#3 long name here")]
+    nodes = tuple(DrawNode(f"g-n{i}", wide[i % 3], "", "#cdeccd") for i in range(9))
+    edges = ((0, 1), (1, 2), (2, 3), (3, 4), (0, 4), (0, 5), (1, 5), (2, 6), (0, 7), (5, 8), (1, 8), (4, 6))
+    svg, _ = draw(DrawGraph(nodes, edges), "builtin")
+    boxes = [
+        tuple(float(v) for v in m)
+        for m in re.findall(r'<rect x="([\d.]+)" y="([\d.]+)" width="([\d.]+)" height="([\d.]+)"', svg)
+    ]
+    paths = re.findall(r'<path class="edge" d="([^"]+)"', svg)
+    assert len(boxes) == 9 and len(paths) == len(edges)
+    for d in paths:
+        for px, py in _points_on(d):
+            for bx, by, bw, bh in boxes:
+                inside = bx + 1 < px < bx + bw - 1 and by + 1 < py < by + bh - 1
+                assert not inside, f"edge {d} passes through the box at {(bx, by, bw, bh)}"
 
 
 @pytest.mark.skipif(dot_version() is None, reason="graphviz dot is not installed")

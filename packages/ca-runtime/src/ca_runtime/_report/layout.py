@@ -11,9 +11,14 @@ Longest-path layering: a node's layer is one more than the deepest node with
 an edge into it (the root at the top, leaves at the bottom), computed in
 topological order (Kahn's algorithm; a cycle, which an autograd graph cannot
 have, would put the rest in one last layer). Within a layer, nodes keep their
-order in the input, which is the walk's (eager's) order. Edges are cubic
-curves from the bottom of a box to the top of the next one. No crossing
-reduction: enough to read graphs of tens to hundreds of nodes.
+order in the input, which is the walk's (eager's) order. An edge that spans
+more than one layer gets a waypoint in each layer it passes (a narrow slot
+after that layer's boxes), so that it runs through the gaps, never through
+another node's box. Each edge leaves its box straight down to the bottom of
+its row, then runs as cubic curves between rows (where no box is) and
+straight down through each waypoint's slot, to the top of the next box.
+Edges may cross each other (no crossing reduction): enough to read graphs of
+tens to hundreds of nodes.
 """
 
 from __future__ import annotations
@@ -173,6 +178,8 @@ _LINE_H = 14.0
 _PAD_X, _PAD_Y = 8.0, 5.0
 _GAP_X, _GAP_Y = 14.0, 34.0
 _MARGIN = 8.0
+#: Width of the slot a long edge passes a layer through.
+_WAYPOINT_W = 6.0
 
 
 def layers(num_nodes: int, edges: Sequence[tuple[int, int]]) -> list[int]:
@@ -208,17 +215,31 @@ def draw_builtin(graph: DrawGraph) -> str:
         rows[layer_of[i]].append(i)
     widths = [max(len(line) for line in node.lines) * _CHAR_W + 2 * _PAD_X for node in graph.nodes]
     heights = [len(node.lines) * _LINE_H + 2 * _PAD_Y for node in graph.nodes]
+    # Waypoints of long edges: slots n, n+1, ... after the boxes of each layer they pass.
+    routes: list[list[int]] = []
+    for a, b in graph.edges:
+        route = [a]
+        for layer in range(layer_of[a] + 1, layer_of[b]):
+            rows[layer].append(len(widths))
+            widths.append(_WAYPOINT_W)
+            heights.append(0.0)
+            route.append(len(widths) - 1)
+        routes.append([*route, b])
     row_widths = [sum(widths[i] for i in row) + _GAP_X * max(len(row) - 1, 0) for row in rows]
     total_w = max(row_widths, default=0.0) + 2 * _MARGIN
-    x = [0.0] * n
-    y = [0.0] * n
+    x = [0.0] * len(widths)
+    row_top: list[float] = []
+    row_bottom: list[float] = []
     top = _MARGIN
     for row, row_w in zip(rows, row_widths):
         left = (total_w - row_w) / 2
         for i in row:
-            x[i], y[i] = left, top
+            x[i] = left
             left += widths[i] + _GAP_X
-        top += max(heights[i] for i in row) + _GAP_Y
+        row_top.append(top)
+        row_bottom.append(top + max(heights[i] for i in row))
+        top = row_bottom[-1] + _GAP_Y
+    y = [row_top[layer_of[i]] for i in range(n)]
     total_h = top - _GAP_Y + _MARGIN if rows else 2 * _MARGIN
     marker = f"arrow-{graph.nodes[0].element_id}" if graph.nodes else "arrow"
     parts = [
@@ -231,14 +252,21 @@ def draw_builtin(graph: DrawGraph) -> str:
             'markerHeight="7" orient="auto-start-reverse"><path d="M0,0 L10,5 L0,10 z" fill="#777"/></marker></defs>'
         ),
     ]
-    for a, b in graph.edges:
-        x1, y1 = x[a] + widths[a] / 2, y[a] + heights[a]
-        x2, y2 = x[b] + widths[b] / 2, y[b]
-        bend = max((y2 - y1) / 2, 12.0)
-        parts.append(
-            f'<path class="edge" d="M{x1:.1f},{y1:.1f} C{x1:.1f},{y1 + bend:.1f} {x2:.1f},{y2 - bend:.1f} '
-            f'{x2:.1f},{y2:.1f}" fill="none" stroke="#777" marker-end="url(#{marker})"/>'
-        )
+    for route in routes:
+        a, b = route[0], route[-1]
+        cx = x[a] + widths[a] / 2
+        layer = layer_of[a]
+        d = f"M{cx:.1f},{y[a] + heights[a]:.1f} L{cx:.1f},{row_bottom[layer]:.1f}"
+        for hop in route[1:]:
+            nx = x[hop] + widths[hop] / 2
+            y1, y2 = row_bottom[layer], row_top[layer + 1]
+            bend = (y2 - y1) / 2
+            d += f" C{cx:.1f},{y1 + bend:.1f} {nx:.1f},{y2 - bend:.1f} {nx:.1f},{y2:.1f}"
+            layer += 1
+            cx = nx
+            if hop != b:  # straight down through the waypoint's slot
+                d += f" L{cx:.1f},{row_bottom[layer]:.1f}"
+        parts.append(f'<path class="edge" d="{d}" fill="none" stroke="#777" marker-end="url(#{marker})"/>')
     for i, node in enumerate(graph.nodes):
         dash = ' stroke-dasharray="4 3"' if node.dashed else ""
         parts.append(
