@@ -192,13 +192,10 @@ variable_list run_eager(
   return future->value().toTensorVector();
 }
 
-/// Tells the runtime why this backward runs eagerly (it warns and counts).
-void report_fallback(const std::string& node, const std::string& reason) {
+/// Tells the backward's runtime (which it holds; see [Note: Engine hook
+/// lifetime]) why this backward runs eagerly (it warns and counts).
+void report_fallback(nb::handle runtime, const std::string& node, const std::string& reason) {
   ++g_counters.eager_fallbacks;
-  if (g_runtime == nullptr) {
-    return;
-  }
-  nb::handle runtime(g_runtime);
   runtime.attr("report_fallback")(node, reason);
 }
 
@@ -589,7 +586,7 @@ std::optional<variable_list> walk(BackwardRun& run) {
     if (cache_generation(*run.cache) == walk_generation) {
       e.at->walk_failures.push_back(e.type);
     }
-    report_fallback(e.node, e.what());
+    report_fallback(run.runtime, e.node, e.what());
     return outputs;
   }
   run.state->accumulate_grad = run.accumulate_grad;
@@ -1040,7 +1037,7 @@ std::optional<variable_list> run_graph(BackwardRun& run, nb::object& result) {
     // user's and leaves the entry as it is; see [Note: Whose failure].
     variable_list eager_outputs = run_eager(run.root, run.graph_task);
     report_fallback(
-        "compiled graph", nb::cast<std::string>(nb::str(run.runtime.attr("last_failure"))));
+        run.runtime, "compiled graph", nb::cast<std::string>(nb::str(run.runtime.attr("last_failure"))));
     if (run.entry_alive()) {
       mark_failed(*run.entry, run.runtime);
       release_later(run.entry->compiled_fn);

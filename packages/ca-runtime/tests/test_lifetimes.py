@@ -86,3 +86,45 @@ def test_no_node_run_plan_or_graph_source_outlives_reset(backend: str) -> None:
         gc.collect()
     assert ca_core.live_node_run_plans() == plans
     assert len(_loader.eval_cache) == sources
+
+
+def test_a_fallback_is_reported_to_the_backwards_own_runtime_after_enable_exits() -> None:
+    """The worker's first run fails after the main thread left enable(): its runtime still warns and records."""
+    import threading
+    import time
+
+    from ca_runtime._state import STATE
+
+    started = threading.Event()
+
+    def failing_compiler(gm: torch.fx.GraphModule):
+        def run(*args: object) -> object:
+            started.set()
+            time.sleep(0.3)
+            raise RuntimeError("the compiled graph fails")
+
+        return run
+
+    grads: list[torch.Tensor] = []
+    caught: list[str] = []
+
+    def worker() -> None:
+        import warnings
+
+        x = torch.ones(4, requires_grad=True)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            (x * 3).sum().backward()
+        caught.extend(str(w.message) for w in seen if issubclass(w.category, ca_runtime.EagerFallbackWarning))
+        grads.append(x.grad)
+
+    t = threading.Thread(target=worker)
+    with ca_runtime.enable(failing_compiler):
+        t.start()
+        started.wait()
+    t.join()
+    assert ca_core.installed_runtime() is None
+    assert torch.equal(grads[0], torch.full((4,), 3.0))
+    assert ca_runtime.stats()["eager_fallbacks"] == 1
+    assert STATE.report_snapshot().num_fallbacks == 1
+    assert caught and "the compiled graph fails" in caught[0], caught
