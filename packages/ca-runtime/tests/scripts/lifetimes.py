@@ -37,8 +37,9 @@ def reset_kills_the_compiler() -> None:
     m = torch.nn.Linear(4, 4)
     with ca_runtime.enable(SelfKeepingCompiler()):
         m(torch.randn(2, 4)).sum().backward()
+    captured = ca_runtime.stats()["captures"] - ca_runtime.stats()["eager_fallbacks"]
     ca_runtime.reset()
-    print("ok", ca_runtime.cache_info())
+    print("ok", captured, ca_runtime.cache_info())
 
 
 def compiler_cached_at_exit() -> None:
@@ -65,7 +66,8 @@ def reset_inside_a_backward() -> None:
             y = x * 2
             y.register_hook(hook)
             (y * y).sum().backward()
-    print("ok", torch.allclose(x.grad, 3 * 8 * x.detach()))  # eager: three backwards of (2x)^2
+    # eager: three backwards of (2x)^2; each captured (reset() mid-backward empties the cache)
+    print("ok", torch.allclose(x.grad, 3 * 8 * x.detach()), ca_runtime.stats()["eager_fallbacks"])
 
 
 def exit_while_another_thread_backwards() -> None:
@@ -91,7 +93,8 @@ def exit_while_another_thread_backwards() -> None:
         in_hook.wait()
     t.join()
     gc.collect()
-    print("ok", grads)
+    stats = ca_runtime.stats()
+    print("ok", grads, stats["captures"], stats["eager_fallbacks"])
 
 
 def exit_during_a_slow_compile() -> None:
@@ -116,7 +119,8 @@ def exit_during_a_slow_compile() -> None:
     del slow_compiler
     t.join()
     gc.collect()
-    print("ok", grads)
+    stats = ca_runtime.stats()
+    print("ok", grads, stats["captures"], stats["eager_fallbacks"])
 
 
 def compilers_made_and_dropped(cycles: int) -> None:
