@@ -429,7 +429,7 @@ def test_deterministic_algorithms_turn_the_timing_off_with_one_warning() -> None
     torch.use_deterministic_algorithms(True)
     try:
         with (
-            pytest.warns(RuntimeWarning, match="use_deterministic_algorithms"),
+            pytest.warns(RuntimeWarning, match="use_deterministic_algorithms") as caught,
             ca_runtime.enable(_slow_graph("eager"), eager_if_faster=True),
         ):
             for i in range(STEPS):
@@ -440,3 +440,5 @@ def test_deterministic_algorithms_turn_the_timing_off_with_one_warning() -> None
     assert stats["captures"] == 1 and stats["cache_hits"] == STEPS - 1 and stats["eager_by_choice"] == 0, (
         stats
     )
+    (warning,) = [w for w in caught if "use_deterministic_algorithms" in str(w.message)]
+    assert warning.filename == __file__, warning.filename  # the user's `with enable(...)` line

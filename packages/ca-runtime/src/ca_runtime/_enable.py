@@ -39,6 +39,7 @@ from ca_core.runtime_protocol import EngineRuntime
 
 from ca_runtime._background import BackgroundInductor, background_counts, reset_background_counts
 from ca_runtime._compiler_key import compiler_key, forget_captures, forget_compiler_keys
+from ca_runtime._log import warn_at_user_line
 from ca_runtime._runtime import CompilerFn, Runtime, graph_break_count, reset_graph_breaks
 from ca_runtime._torch_interop import (
     keep_hook_across_torch_disable,
@@ -243,12 +244,11 @@ def _deterministic_refuses_timing() -> bool:
         return False
     if "deterministic" not in _warned_once:
         _warned_once.add("deterministic")
-        warnings.warn(
+        warn_at_user_line(
             "ca_runtime.enable(eager_if_faster=True) chooses between compiled and eager by timing, which is not "
             "reproducible; torch.use_deterministic_algorithms(True) is on, so backwards run compiled and "
             "are not timed",
             RuntimeWarning,
-            stacklevel=4,
         )
     return True
 
