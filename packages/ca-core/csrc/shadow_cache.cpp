@@ -9,6 +9,7 @@
 
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
 
+#include <array>
 #include <atomic>
 
 #include <nanobind/stl/string.h>
@@ -138,6 +139,11 @@ still in the tree. Emptying the graveyard counts as a use too, so what its
 decrefs let go of waits for the next round instead of being destroyed inside
 the destruction.
 */
+
+/// NodeSummary::hooks' kinds, in its order, as miss reasons and the report name them.
+constexpr std::array<const char*, 5> kHookKinds = {
+    "Python tensor hooks", "C++ tensor hooks / retain_grad", "grad_fn pre-hooks", "grad_fn hooks",
+    "post-accumulate-grad hooks"};
 
 namespace {
 /// Bumped by clear_cache().
@@ -293,14 +299,11 @@ std::string explain_new_key(
         "a " + now.name + " node where the cached graph has " + best->name +
         (now.name == best->name ? " (C++ types " + now.type + " and " + best->type + ")" : ""));
   } else {
-    static const char* kinds[] = {
-        "Python tensor hooks", "C++ tensor hooks / retain_grad",
-        "grad_fn pre-hooks", "grad_fn hooks", "post-accumulate-grad hooks"};
     for (size_t i = 0; i < now.hooks.size(); ++i) {
       if (now.hooks[i] != best->hooks[i]) {
         reasons.push_back(
             std::string(now.hooks[i] > best->hooks[i] ? "a hook was added" : "a hook was removed") +
-            " to its " + kinds[i] + " (" + std::to_string(now.hooks[i]) + " now, " +
+            " to its " + kHookKinds[i] + " (" + std::to_string(now.hooks[i]) + " now, " +
             std::to_string(best->hooks[i]) + " in the cached graph)");
       }
     }
@@ -511,13 +514,10 @@ double seconds(uint64_t ns) {
 /// One node of the cache as cache_tree() shows it (a plain copy).
 /// A node summary in words, for the report's cache tree.
 std::string describe_summary(const NodeSummary& summary) {
-  static const char* kinds[] = {
-      "Python tensor hooks", "C++ tensor hooks", "grad_fn pre-hooks", "grad_fn hooks",
-      "post-accumulate-grad hooks"};
   std::vector<std::string> parts;
   for (size_t i = 0; i < summary.hooks.size(); ++i) {
     if (summary.hooks[i] > 0) {
-      parts.push_back(std::to_string(summary.hooks[i]) + " " + kinds[i]);
+      parts.push_back(std::to_string(summary.hooks[i]) + " " + kHookKinds[i]);
     }
   }
   if (summary.grad_defined >= 0) {
