@@ -443,6 +443,39 @@ def test_builtin_layout_edges_never_cross_a_box() -> None:
                 assert not inside, f"edge {d} passes through the box at {(bx, by, bw, bh)}"
 
 
+def _boxes_and_paths(svg: str) -> tuple[list[tuple[float, ...]], list[str]]:
+    boxes = [
+        tuple(float(v) for v in m)
+        for m in re.findall(r'<rect x="([\d.]+)" y="([\d.]+)" width="([\d.]+)" height="([\d.]+)"', svg)
+    ]
+    return boxes, re.findall(r'<path class="edge" d="([^"]+)"', svg)
+
+
+def test_builtin_layout_puts_a_tall_graph_in_bands_across_the_page() -> None:
+    """A 300-node chain (with skip edges) fills the page's width in bands, and no edge crosses a box."""
+    nodes = tuple(DrawNode(f"g-n{i}", (f"MulBackward0 #{i}", "x"), "", "#cdeccd") for i in range(300))
+    edges = tuple((i, i + 1) for i in range(299)) + tuple((i, i + 7) for i in range(0, 290, 23))
+    svg, _ = draw(DrawGraph(nodes, edges), "builtin")
+    width, height = (float(v) for v in re.search(r'<svg[^>]* width="(\d+)" height="(\d+)"', svg).groups())
+    boxes, paths = _boxes_and_paths(svg)
+    assert len(boxes) == 300 and len(paths) == len(edges)
+    columns = {bx for bx, _, _, _ in boxes}
+    assert len(columns) >= 6, "a chain drawn as one column uses a sliver of the page"
+    assert 1000 < width <= 1400 and height < width * 3
+    for d in paths:
+        for px, py in _points_on(d):
+            assert 0 <= px <= width and 0 <= py <= height
+            for bx, by, bw, bh in boxes:
+                inside = bx + 1 < px < bx + bw - 1 and by + 1 < py < by + bh - 1
+                assert not inside, f"edge {d} passes through the box at {(bx, by, bw, bh)}"
+
+
+def test_builtin_layout_keeps_a_short_graph_in_one_band() -> None:
+    svg, _ = draw(_tiny_graph(), "builtin")
+    boxes, _ = _boxes_and_paths(svg)
+    assert max(bx + bw for bx, _, bw, _ in boxes) < 400
+
+
 @pytest.mark.skipif(dot_version() is None, reason="graphviz dot is not installed")
 def test_dot_layout_draws_inlinable_svg() -> None:
     svg, used = draw(_tiny_graph(), "dot")

@@ -19,6 +19,18 @@ its row, then runs as cubic curves between rows (where no box is) and
 straight down through each waypoint's slot, to the top of the next box.
 Edges may cross each other (no crossing reduction): enough to read graphs of
 tens to hundreds of nodes.
+
+[Note: Bands of a tall drawing]
+Backward graphs are deep and narrow (a 300-node chain is one box wide and
+300 layers tall), so one column of layers would use a sliver of the page and
+scroll for metres. The layers are therefore cut into bands placed side by
+side, as newspaper columns: as many as fit the page's width and as the height
+needs (about ``_BAND_H`` each), rows kept whole and in order, every band as
+wide as the widest row. An edge from a band's last layer to the next band's
+first runs straight down into the lane below its band, across to the gutter
+on its right, up the gutter to the lane above all bands, across, and down
+into its target: lanes and gutters hold no box, so the rule that edges never
+cross a box holds for bands too.
 """
 
 from __future__ import annotations
@@ -26,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import html
+import math
 import re
 import shutil
 import subprocess
@@ -180,6 +193,12 @@ _GAP_X, _GAP_Y = 14.0, 34.0
 _MARGIN = 8.0
 #: Width of the slot a long edge passes a layer through.
 _WAYPOINT_W = 6.0
+#: The page's drawing area (the report's ``max-width`` less its padding), which bands fill.
+_PAGE_W = 1360.0
+#: A band is about this tall (the drawing's scroll box shows roughly one).
+_BAND_H = 640.0
+#: Space between bands, and above and below them, that edges from one band to the next run through.
+_GUTTER, _LANE_H = 28.0, 16.0
 
 
 def layers(num_nodes: int, edges: Sequence[tuple[int, int]]) -> list[int]:
@@ -206,8 +225,22 @@ def layers(num_nodes: int, edges: Sequence[tuple[int, int]]) -> list[int]:
     return layer
 
 
+def _bands(row_heights: Sequence[float], row_w: float) -> list[int]:
+    """Each row's band (column of the page); see [Note: Bands of a tall drawing]."""
+    total_h = sum(row_heights) + _GAP_Y * max(len(row_heights) - 1, 0)
+    fit = int((_PAGE_W - 2 * _MARGIN + _GUTTER) // (row_w + _GUTTER))
+    count = max(1, min(fit, math.ceil(total_h / _BAND_H), len(row_heights)))
+    band_of: list[int] = []
+    done = 0.0
+    for h in row_heights:
+        # A row goes to the band its middle falls in, so bands come out about equally tall.
+        band_of.append(min(count - 1, int((done + h / 2) * count // total_h)) if total_h else 0)
+        done += h + _GAP_Y
+    return band_of
+
+
 def draw_builtin(graph: DrawGraph) -> str:
-    """The graph drawn with [Note: Built-in layered layout]."""
+    """The graph drawn with [Note: Built-in layered layout] and [Note: Bands of a tall drawing]."""
     n = len(graph.nodes)
     layer_of = layers(n, graph.edges)
     rows: list[list[int]] = [[] for _ in range(max(layer_of, default=-1) + 1)]
@@ -226,13 +259,19 @@ def draw_builtin(graph: DrawGraph) -> str:
             route.append(len(widths) - 1)
         routes.append([*route, b])
     row_widths = [sum(widths[i] for i in row) + _GAP_X * max(len(row) - 1, 0) for row in rows]
-    total_w = max(row_widths, default=0.0) + 2 * _MARGIN
+    band_w = max(row_widths, default=0.0)
+    band_of = _bands([max(heights[i] for i in row) for row in rows], band_w)
+    num_bands = max(band_of, default=0) + 1
+    lane = _LANE_H if num_bands > 1 else 0.0
+    total_w = num_bands * band_w + (num_bands - 1) * _GUTTER + 2 * _MARGIN
     x = [0.0] * len(widths)
     row_top: list[float] = []
     row_bottom: list[float] = []
-    top = _MARGIN
-    for row, row_w in zip(rows, row_widths):
-        left = (total_w - row_w) / 2
+    top = _MARGIN + lane
+    for r, (row, row_w) in enumerate(zip(rows, row_widths)):
+        if r > 0 and band_of[r] != band_of[r - 1]:
+            top = _MARGIN + lane
+        left = _MARGIN + band_of[r] * (band_w + _GUTTER) + (band_w - row_w) / 2
         for i in row:
             x[i] = left
             left += widths[i] + _GAP_X
@@ -240,7 +279,7 @@ def draw_builtin(graph: DrawGraph) -> str:
         row_bottom.append(top + max(heights[i] for i in row))
         top = row_bottom[-1] + _GAP_Y
     y = [row_top[layer_of[i]] for i in range(n)]
-    total_h = top - _GAP_Y + _MARGIN if rows else 2 * _MARGIN
+    total_h = max(row_bottom, default=_MARGIN) + lane + _MARGIN
     marker = f"arrow-{graph.nodes[0].element_id}" if graph.nodes else "arrow"
     parts = [
         (
@@ -260,8 +299,15 @@ def draw_builtin(graph: DrawGraph) -> str:
         for hop in route[1:]:
             nx = x[hop] + widths[hop] / 2
             y1, y2 = row_bottom[layer], row_top[layer + 1]
-            bend = (y2 - y1) / 2
-            d += f" C{cx:.1f},{y1 + bend:.1f} {nx:.1f},{y2 - bend:.1f} {nx:.1f},{y2:.1f}"
+            if band_of[layer] == band_of[layer + 1]:
+                bend = (y2 - y1) / 2
+                d += f" C{cx:.1f},{y1 + bend:.1f} {nx:.1f},{y2 - bend:.1f} {nx:.1f},{y2:.1f}"
+            else:  # below this band, up the gutter to its right, over the next band's top
+                below = y1 + lane / 2
+                gutter = _MARGIN + band_of[layer] * (band_w + _GUTTER) + band_w + _GUTTER / 2
+                above = _MARGIN + lane / 2
+                d += f" L{cx:.1f},{below:.1f} L{gutter:.1f},{below:.1f} L{gutter:.1f},{above:.1f}"
+                d += f" L{nx:.1f},{above:.1f} L{nx:.1f},{y2:.1f}"
             layer += 1
             cx = nx
             if hop != b:  # straight down through the waypoint's slot
