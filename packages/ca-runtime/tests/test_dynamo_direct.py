@@ -50,6 +50,21 @@ def test_every_hit_is_direct(backend: str) -> None:
     assert counters["stats"]["unique_graphs"] == 1
 
 
+def test_a_graph_with_hundreds_of_outputs_is_direct_too(backend: str) -> None:
+    """Dynamo's transformed code for a graph of more than 256 values has EXTENDED_ARG prefixes (an LSTM over 48 steps)."""
+    leaves = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(3)) for _ in range(300))
+
+    def step(i: int) -> torch.Tensor:
+        leaves.zero_grad()
+        loss = sum((p * 1.5).sin().sum() for p in leaves)
+        loss.backward()
+        return loss.detach()
+
+    stats, direct = _compare(step, backend, leaves, steps=3)
+    assert stats["captures"] == 1 and stats["cache_hits"] == 2
+    assert direct == 2
+
+
 def test_a_callable_returning_torch_compile_is_direct_too(backend: str) -> None:
     model = make_mlp()
 

@@ -69,10 +69,11 @@ __all__ = ["DirectDynamoCall", "direct_calls", "wrap_if_dynamo_module"]
 
 #: Opcodes (CPython 3.10-3.12) that move values between the stack, locals and
 #: containers, or call what was loaded: what Dynamo emits to call its graph
-#: and rebuild the frame's return value.
+#: and rebuild the frame's return value. EXTENDED_ARG only widens the next
+#: instruction's argument: a graph with more than 256 outputs or locals has it.
 _PURE_OPCODES = frozenset(
     {
-        "RESUME", "NOP", "CACHE", "PRECALL", "CALL", "PUSH_NULL", "KW_NAMES", "RETURN_VALUE",
+        "EXTENDED_ARG", "RESUME", "NOP", "CACHE", "PRECALL", "CALL", "PUSH_NULL", "KW_NAMES", "RETURN_VALUE",
         "RETURN_CONST", "POP_TOP", "COPY", "SWAP", "DUP_TOP", "ROT_TWO", "ROT_THREE", "ROT_FOUR",
         "LOAD_FAST", "LOAD_FAST_CHECK", "LOAD_FAST_AND_CLEAR", "STORE_FAST", "DELETE_FAST", "LOAD_CONST",
         "BUILD_LIST", "BUILD_TUPLE", "BUILD_MAP", "BUILD_CONST_KEY_MAP", "LIST_EXTEND", "LIST_APPEND",
