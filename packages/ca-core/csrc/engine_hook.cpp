@@ -885,6 +885,17 @@ std::optional<variable_list> lookup(BackwardRun& run) {
   return std::nullopt;
 }
 
+/// Whether every tensor the graph lifts is on the CPU, so that a CPU clock
+/// times its work; see [Note: Eager when it is faster] in hit_choice.h.
+bool lifts_only_cpu_tensors(const BackwardState& state) {
+  for (const at::Tensor& t : state.lifted_tensors) {
+    if (t.defined() && !t.device().is_cpu()) {
+      return false;
+    }
+  }
+  return true;
+}
+
 /// Step 3: captures the backward into its entry; false if the capture failed.
 bool capture(BackwardRun& run) {
   BackwardState& state = *run.state;
@@ -906,7 +917,7 @@ bool capture(BackwardRun& run) {
     entry.leaf_hooks_only = run.leaf_hooks_only;
     entry.free_early = std::move(captured->free_early);
     entry.ran_for_real.clear();
-    entry.choice.reset(captured->may_run_eagerly);
+    entry.choice.reset(captured->may_run_eagerly && lifts_only_cpu_tensors(state));
     entry.expected_sizes = run.args.size_values;
     entry.dynamic_sizes = state.dynamic_sizes;
     entry.tensor_shapes = tensor_shapes(state);

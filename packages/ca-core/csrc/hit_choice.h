@@ -58,6 +58,11 @@ report_choice(). A new capture at the entry starts the count again.
 Backwards on several threads at one entry time and count in turn under
 the GIL; their runs overlap, so their timings are only as good as the
 machine is quiet.
+Only graphs whose lifted tensors are all on the CPU are timed. On CUDA (and
+any device whose kernels run asynchronously) the host clock would measure
+how long the kernels take to launch, not to run, and pick the way that
+launches faster; such a graph runs compiled on every hit, as under
+eager_if_faster=False (engine_hook.cpp's capture(), lifts_only_cpu_tensors).
 */
 /// How one cache entry serves its hits; see [Note: Eager when it is faster].
 struct HitChoice {

@@ -442,3 +442,31 @@ def test_deterministic_algorithms_turn_the_timing_off_with_one_warning() -> None
     )
     (warning,) = [w for w in caught if "use_deterministic_algorithms" in str(w.message)]
     assert warning.filename == __file__, warning.filename  # the user's `with enable(...)` line
+
+
+def test_a_graph_on_an_asynchronous_device_is_not_timed() -> None:
+    """A CPU clock times a CUDA graph's launches, not its work: a graph lifting non-CPU tensors runs compiled.
+
+    The meta device stands in for CUDA (no kernels run at all, so a host
+    clock would measure nothing of the work). The same graph on the CPU,
+    20 ms slower compiled, is timed and served eagerly.
+    """
+    compiler_fn = _slow_graph("aot_eager")
+
+    def run(device: str) -> tuple[dict[str, int], list[torch.Tensor]]:
+        ca_runtime.reset()
+        x = torch.randn(8, 8, device=device, requires_grad=True)
+        w = torch.randn(8, 8, device=device, requires_grad=True)
+        with ca_runtime.enable(compiler_fn, eager_if_faster=True):
+            for _ in range(STEPS):
+                x.grad = w.grad = None
+                ((x @ w).tanh() * 2).sum().backward()
+            return ca_runtime.stats(), [x.grad, w.grad]
+
+    stats, grads = run("meta")
+    assert stats["captures"] == 1 and stats["eager_fallbacks"] == 0, stats
+    assert stats["cache_hits"] == STEPS - 1 and stats["eager_by_choice"] == 0, stats
+    assert _entry().served_by == "compiled" and _entry().eager_runs == 0
+    assert all(g is not None and g.device.type == "meta" and g.shape == (8, 8) for g in grads)
+    stats, _ = run("cpu")
+    assert stats["eager_by_choice"] == TIMED + 3, stats
