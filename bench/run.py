@@ -23,6 +23,8 @@ ours, and on ours with Inductor compiling in the background
 of the inductor workloads).
 
     python bench/run.py [--iters 30] [--out bench/results] [--quick] [--only training|memory|per-node|...]
+    python bench/run.py --only small-ops --iters 30   # LSTM, gated cell, PINN: with a torch.compile column
+    python bench/run.py --device cuda                 # the same on a GPU (skipped without CUDA)
     python bench/run.py --first-backward gpt inductor ours   # one cold first backward, as JSON
 """
 
@@ -75,6 +77,19 @@ class Workload:
     key: str = ""
     #: Its compiler's name (see compiler_named).
     compiler_name: str = ""
+    #: Whether ``torch.compile`` can compile its forward with a backward of its
+    #: own (AOTAutograd): not for a forward that calls ``autograd.grad``.
+    torch_compilable: bool = True
+    #: ``torch.compile(forward)`` with its compiler, made on first use ("torch.compile" column).
+    compiled_forward: Callable[[int], torch.Tensor] | None = None
+
+    def forward_for(self, impl: str) -> Callable[[int], torch.Tensor]:
+        """The forward ``impl`` runs: the ``torch.compile``'d one for "tc", else the plain one."""
+        if impl != "tc":
+            return self.forward
+        if self.compiled_forward is None:
+            self.compiled_forward = torch.compile(self.forward, backend=self.compiler_name or "inductor")
+        return self.compiled_forward
 
 
 def backend(name: str) -> Compiler:
@@ -90,7 +105,8 @@ def no_work(gm: torch.fx.GraphModule) -> Callable[..., Any]:
 
 @contextlib.contextmanager
 def implementation(impl: str, compiler: Compiler | None) -> Iterator[None]:
-    if impl in ("eager", "eager-again"):
+    if impl in ("eager", "eager-again", "tc"):
+        # "tc": the backward of a torch.compile'd forward (AOTAutograd's graph), on the eager engine.
         # "eager-again": eager timed a second time in the same rounds (see ROUNDS).
         with ca_runtime.disable():
             yield
@@ -252,6 +268,90 @@ def checkpointed_mlp(determinism_check: str = "default") -> Workload:
     return Workload(name, forward, None, params=list(blocks.parameters()))
 
 
+def lstm() -> Workload:
+    """Many small ops: ``nn.LSTMCell(32, 64)`` unrolled over 48 steps, batch 16, a linear head, MSE."""
+    torch.manual_seed(0)
+    cell, head = torch.nn.LSTMCell(32, 64), torch.nn.Linear(64, 1)
+    xs, target = torch.randn(48, 16, 32), torch.randn(16, 1)
+
+    def forward(i: int) -> torch.Tensor:
+        h = c = torch.zeros(16, 64)
+        for x in xs:
+            h, c = cell(x, (h, c))
+        return torch.nn.functional.mse_loss(head(h), target)
+
+    params = [*cell.parameters(), *head.parameters()]
+    return Workload("LSTMCell 32-64 x48 steps b16", forward, None, params=params)
+
+
+class GatedCell(torch.nn.Module):
+    """A GRU-like cell written out: two ``Linear(48, 144)``, sigmoid/tanh gates, ``LayerNorm(48)``."""
+
+    def __init__(self, d: int = 48) -> None:
+        super().__init__()
+        self.from_x, self.from_h = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, 3 * d)
+        self.norm = torch.nn.LayerNorm(d)
+
+    def forward(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        xr, xz, xn = self.from_x(x).chunk(3, dim=-1)
+        hr, hz, hn = self.from_h(h).chunk(3, dim=-1)
+        r, z = torch.sigmoid(xr + hr), torch.sigmoid(xz + hz)
+        n = torch.tanh(xn + r * hn)
+        return self.norm((1 - z) * n + z * h)
+
+
+def gated_cell() -> Workload:
+    """Many small ops: GatedCell unrolled over 32 steps, batch 8, MSE against a target."""
+    torch.manual_seed(0)
+    cell = GatedCell()
+    xs, target = torch.randn(32, 8, 48), torch.randn(8, 48)
+
+    def forward(i: int) -> torch.Tensor:
+        h = torch.zeros(8, 48)
+        for x in xs:
+            h = cell(x, h)
+        return torch.nn.functional.mse_loss(h, target)
+
+    return Workload("gated cell d48 x32 steps b8", forward, None, params=list(cell.parameters()))
+
+
+def pinn() -> Workload:
+    """A physics-informed MLP 2-32-32-32-1 (tanh) on 256 points (t, x): u, du/dt and d2u/dx2.
+
+    The residual of the heat equation u_t = 0.1 u_xx, plus u itself, is the
+    loss; du/dt and d2u/dx2 come from two ``autograd.grad(create_graph=True)``
+    in the (untimed) forward, so the timed backward differentiates backward
+    graphs: a double backward, which ``torch.compile`` cannot compile.
+    """
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        torch.nn.Linear(2, 32),
+        torch.nn.Tanh(),
+        torch.nn.Linear(32, 32),
+        torch.nn.Tanh(),
+        torch.nn.Linear(32, 32),
+        torch.nn.Tanh(),
+        torch.nn.Linear(32, 1),
+    )
+    points = torch.rand(256, 2)
+
+    def forward(i: int) -> torch.Tensor:
+        p = points.clone().requires_grad_(True)
+        u = net(p)
+        (du,) = torch.autograd.grad(u.sum(), p, create_graph=True)
+        (ddu,) = torch.autograd.grad(du[:, 1].sum(), p, create_graph=True)
+        residual = du[:, 0] - 0.1 * ddu[:, 1]
+        return residual.pow(2).mean() + u.pow(2).mean()
+
+    return Workload(
+        "PINN MLP 2-32x3-1 tanh, 256 points, u_t and u_xx",
+        forward,
+        None,
+        params=list(net.parameters()),
+        torch_compilable=False,
+    )
+
+
 #: Every backward workload by key, for --first-backward's processes.
 WORKLOADS: dict[str, Callable[[], Workload]] = {
     "mlp": mlp,
@@ -260,7 +360,12 @@ WORKLOADS: dict[str, Callable[[], Workload]] = {
     "ckpt_mlp": checkpointed_mlp,
     "ckpt_mlp_breaks": functools.partial(checkpointed_mlp, "none"),
     **{f"chain{n}": functools.partial(chain, n) for n in (10, 100, 1000)},
+    "lstm": lstm,
+    "gated": gated_cell,
+    "pinn": pinn,
 }
+#: The small-op backwards (--only small-ops), each with inductor.
+SMALL_OP_WORKLOADS = ("lstm", "gated", "pinn")
 
 
 def compiler_named(name: str) -> Compiler:
@@ -435,13 +540,23 @@ def training_markdown(r: dict[str, Any]) -> str:
     )
 
 
+def _no_sync() -> None:
+    pass
+
+
+#: Waits for the device's queued work (``--device cuda``: its kernels run asynchronously).
+sync_device: Callable[[], None] = _no_sync
+
+
 def time_backward(work: Workload, impl: str) -> float:
-    loss = work.forward(0)
+    loss = work.forward_for(impl)(0)
     for p in work.params:
         p.grad = None
     with implementation(impl, work.compiler):
+        sync_device()
         start = time.perf_counter()
         loss.backward()
+        sync_device()
         return time.perf_counter() - start
 
 
@@ -917,6 +1032,92 @@ def plot(rows: list[dict[str, Any]], path: Path) -> bool:
     return True
 
 
+#: The rounds of small_op_rows, as ROUNDS: eager, the torch.compile'd forward's
+#: backward ("tc") and ours both ways, eager again; then torch's and eager.
+SMALL_OP_ROUNDS = (("eager", "tc", "ours-compiled", "ours", "eager-again"), ("eager", "torch"))
+
+
+def small_op_rows(iters: int, warmup: int = 3) -> list[dict[str, Any]]:
+    """The small-op backwards (SMALL_OP_WORKLOADS) with inductor, in rounds as measure() but with a "tc" column.
+
+    "tc" is the backward that ``torch.compile`` itself makes (AOTAutograd's,
+    from the ``torch.compile``'d forward), timed as the others: only
+    ``loss.backward()``. Also: ours' walk per node on its hits (ca_core's
+    timings, over the "ours-compiled" rounds) and the kernel floor (the share
+    of eager's backward in matmul kernels, bench/profile_models.py).
+    """
+    import ca_core
+    from profile_models import kernel_floor
+
+    rows = []
+    for key in SMALL_OP_WORKLOADS:
+        reset_all()
+        work = make_workload(key, "inductor")
+        work.nodes = _graph_nodes(work.forward(0))
+        rounds = SMALL_OP_ROUNDS if work.torch_compilable else tuple(
+            tuple(i for i in r if i != "tc") for r in SMALL_OP_ROUNDS
+        )
+        impls = dict.fromkeys(i for r in rounds for i in r)
+        for impl in impls:
+            for _ in range(max(warmup, CHOICE_RUNS) if impl == "ours" else warmup):
+                time_backward(work, impl)
+        before = ca_runtime.stats()
+        by_round: list[dict[str, list[float]]] = [{impl: [] for impl in r} for r in rounds]
+        walk_ns = timed = 0
+        for round_impls, round_times in zip(rounds, by_round, strict=True):
+            cycle = len(williams_order(len(round_impls)))
+            for round_nr in range(-(-iters // cycle) * cycle):
+                for impl in rotated(round_impls, round_nr):
+                    ca_core.set_timing(impl == "ours-compiled")
+                    start = ca_core.timings()
+                    round_times[impl].append(time_backward(work, impl))
+                    end = ca_core.timings()
+                    walk_ns += end["walk_ns"] - start["walk_ns"]
+                    timed += end["timed_backwards"] - start["timed_backwards"]
+        ca_core.set_timing(False)
+        after = ca_runtime.stats()
+        ours_rounds, torch_rounds = by_round
+        row: dict[str, Any] = {
+            "workload": work.name,
+            "key": key,
+            "nodes": work.nodes,
+            "median_s": {i: statistics.median(t) for i, t in {**ours_rounds, **torch_rounds}.items()},
+            "over_eager": {
+                i: paired_ratio(t, ours_rounds["eager"]) for i, t in ours_rounds.items() if i != "eager"
+            },
+            "ours_served_by": ours_served_by(),
+            "walk_us_per_node": walk_ns / max(timed, 1) / 1e3 / work.nodes,
+            "hits": {k: after[k] - before[k] for k in ("cache_hits", "eager_by_choice", "eager_fallbacks")},
+        }
+        row["over_eager"]["torch"] = paired_ratio(torch_rounds["torch"], torch_rounds["eager"])
+        if "tc" in ours_rounds:
+            row["ours_compiled_over_tc"] = paired_ratio(ours_rounds["ours-compiled"], ours_rounds["tc"])
+        row["kernel_floor"] = kernel_floor(key, "inductor", rounds=max(5, iters // 3))["floor_ratio"]
+        rows.append(row)
+        print(row["workload"], {k: f"{v * 1e3:.3f}ms" for k, v in row["median_s"].items()}, flush=True)
+    return rows
+
+
+def small_ops_markdown(rows: list[dict[str, Any]]) -> str:
+    """The small-op backwards' table: ratios to eager per round, [95 %]."""
+    lines = [
+        "| workload | nodes | eager ms | torch.compile backward | torch's compiled autograd "
+        "| ours (default, compiled) | ours/torch.compile | ours timed (chose) | walk us/node | kernel floor |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        ratio = r["over_eager"]
+        tc = _interval(ratio["tc"]) if "tc" in ratio else "cannot (double backward)"
+        vs_tc = _interval(r["ours_compiled_over_tc"]) if "ours_compiled_over_tc" in r else "-"
+        lines.append(
+            f"| {r['workload']} | {r['nodes']} | {r['median_s']['eager'] * 1e3:.2f} | {tc} "
+            f"| {_interval(ratio['torch'])} | {_interval(ratio['ours-compiled'])} | {vs_tc} "
+            f"| {_interval(ratio['ours'])} ({', '.join(r['ours_served_by']) or '-'}) "
+            f"| {r['walk_us_per_node']:.2f} | {r['kernel_floor']:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def checkpoint_rows(iters: int) -> list[dict[str, Any]]:
     """The checkpointed MLP with inductor, its regions recomputed in our graph and behind breaks."""
     rows = []
@@ -961,9 +1162,10 @@ def main() -> None:
     )
     parser.add_argument(
         "--only",
-        choices=("training", "models", "report-overhead", "memory", "checkpoint", "per-node"),
+        choices=("training", "models", "small-ops", "report-overhead", "memory", "checkpoint", "per-node"),
         help="run one measurement alone: the compiled training step, the backward-only workloads (models and "
         "chains, without the batch sweep), the report's cost on cache hits, "
+        "the small-op backwards (LSTM, gated cell, PINN) with a torch.compile column, "
         "the peak memory of a backward, checkpointed regions recomputed in the graph or behind breaks, "
         "or the per-node cost with backend eager in a fresh process (--iters 10x rounds)",
     )
@@ -973,7 +1175,22 @@ def main() -> None:
         choices=("aot_eager", "inductor"),
         help="the compiler of --only memory",
     )
+    parser.add_argument(
+        "--device",
+        default=os.environ.get("CA_BENCH_DEVICE", "cpu"),
+        choices=("cpu", "cuda"),
+        help="where the workloads' tensors live (cuda: backwards timed to torch.cuda.synchronize(); "
+        "skipped with a message where CUDA is not available)",
+    )
     args = parser.parse_args()
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            print("bench/run.py --device cuda: skipped, CUDA is not available on this machine")
+            return
+        global sync_device
+        sync_device = torch.cuda.synchronize
+        torch.set_default_device("cuda")
+        os.environ["CA_BENCH_DEVICE"] = "cuda"  # --first-backward's processes too
     torch.set_num_threads(1)
     torch._inductor.config.fx_graph_cache = False  # first backwards compile cold; see reset_all()
     if args.first_backward:
@@ -1003,6 +1220,12 @@ def main() -> None:
         per_node_row = per_node_fresh(args.iters * 10)
         (out / "per_node.json").write_text(json.dumps(per_node_row, indent=1))
         print(per_node_markdown(per_node_row))
+        return
+
+    if args.only == "small-ops":
+        small = small_op_rows(args.iters)
+        (out / "small_ops.json").write_text(json.dumps(small, indent=1))
+        print(small_ops_markdown(small))
         return
 
     if args.only == "checkpoint":
