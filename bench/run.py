@@ -544,8 +544,16 @@ def _no_sync() -> None:
     pass
 
 
-#: Waits for the device's queued work (``--device cuda``: its kernels run asynchronously).
-sync_device: Callable[[], None] = _no_sync
+@dataclasses.dataclass
+class BenchDevice:
+    """Where the workloads run (``--device``)."""
+
+    name: str = "cpu"
+    #: Waits for the device's queued work (CUDA's kernels run asynchronously).
+    sync: Callable[[], None] = _no_sync
+
+
+DEVICE = BenchDevice()
 
 
 def time_backward(work: Workload, impl: str) -> float:
@@ -553,10 +561,10 @@ def time_backward(work: Workload, impl: str) -> float:
     for p in work.params:
         p.grad = None
     with implementation(impl, work.compiler):
-        sync_device()
+        DEVICE.sync()
         start = time.perf_counter()
         loss.backward()
-        sync_device()
+        DEVICE.sync()
         return time.perf_counter() - start
 
 
@@ -1054,8 +1062,10 @@ def small_op_rows(iters: int, warmup: int = 3) -> list[dict[str, Any]]:
         reset_all()
         work = make_workload(key, "inductor")
         work.nodes = _graph_nodes(work.forward(0))
-        rounds = SMALL_OP_ROUNDS if work.torch_compilable else tuple(
-            tuple(i for i in r if i != "tc") for r in SMALL_OP_ROUNDS
+        rounds = (
+            SMALL_OP_ROUNDS
+            if work.torch_compilable
+            else tuple(tuple(i for i in r if i != "tc") for r in SMALL_OP_ROUNDS)
         )
         impls = dict.fromkeys(i for r in rounds for i in r)
         for impl in impls:
@@ -1101,8 +1111,10 @@ def small_op_rows(iters: int, warmup: int = 3) -> list[dict[str, Any]]:
 def small_ops_markdown(rows: list[dict[str, Any]]) -> str:
     """The small-op backwards' table: ratios to eager per round, [95 %]."""
     lines = [
-        "| workload | nodes | eager ms | torch.compile backward | torch's compiled autograd "
-        "| ours (default, compiled) | ours/torch.compile | ours timed (chose) | walk us/node | kernel floor |",
+        (
+            "| workload | nodes | eager ms | torch.compile backward | torch's compiled autograd "
+            "| ours (default, compiled) | ours/torch.compile | ours timed (chose) | walk us/node | kernel floor |"
+        ),
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -1187,8 +1199,7 @@ def main() -> None:
         if not torch.cuda.is_available():
             print("bench/run.py --device cuda: skipped, CUDA is not available on this machine")
             return
-        global sync_device
-        sync_device = torch.cuda.synchronize
+        DEVICE.name, DEVICE.sync = "cuda", torch.cuda.synchronize
         torch.set_default_device("cuda")
         os.environ["CA_BENCH_DEVICE"] = "cuda"  # --first-backward's processes too
     torch.set_num_threads(1)

@@ -199,6 +199,50 @@ class TwoOutputsNoMaterialize(torch.autograd.Function):
         return grad
 
 
+class DefinesVjp(torch.autograd.Function):
+    """``vjp`` is the documented alias of ``backward``."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def vjp(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return 2 * x * grad
+
+
+class DefinesBackwardAndVjp(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 3
+
+    @staticmethod
+    def vjp(ctx, grad):
+        return grad * 2
+
+
+def test_vjp_is_an_alias_of_backward() -> None:
+    x = _leaf(1.0, 2.0)
+    for _ in range(2):  # a capture, then a cache hit
+        x.grad = None
+        DefinesVjp.apply(x * 1.0).sum().backward()
+        assert torch.equal(x.grad, torch.tensor([2.0, 4.0]))
+
+
+def test_defining_both_backward_and_vjp_raises() -> None:
+    for _ in range(2):
+        with pytest.raises(
+            RuntimeError, match="Implementing both 'backward' and 'vjp' for a custom Function"
+        ):
+            DefinesBackwardAndVjp.apply(_leaf(1.0) * 1.0).sum().backward()
+
+
 def test_backward_returning_too_many_grads_raises() -> None:
     with pytest.raises(
         RuntimeError,

@@ -7,6 +7,7 @@ import gc
 import warnings
 import weakref
 from types import ModuleType
+from typing import Any
 
 import ca_runtime
 import pytest
@@ -98,6 +99,58 @@ def test_python_function_with_ctx_attributes(backend: str) -> None:
     result.assert_ok()
     assert result.stats["eager_fallbacks"] == 0
     assert result.stats["graph_breaks"] == 0
+
+
+class CubeByVjp(torch.autograd.Function):
+    """Defines ``vjp``, the documented alias of ``backward``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return x**3
+
+    @staticmethod
+    def vjp(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        return 3 * x * x * grad
+
+
+class BackwardAndVjp(CubeByVjp):
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+def test_a_function_defining_vjp_is_captured(backend: str) -> None:
+    (x,) = _leaves((4,))
+
+    def step(i: int) -> torch.Tensor:
+        x.grad = None
+        CubeByVjp.apply(x * 1.5).sum().backward()
+        return x.grad
+
+    result = compare(step, backend, tensors=[x], steps=3)
+    result.assert_ok()
+    assert result.stats["captures"] == 1 and result.stats["cache_hits"] == 2
+    assert result.stats["eager_fallbacks"] == 0 and result.stats["graph_breaks"] == 0
+
+
+def test_a_function_defining_backward_and_vjp_raises_eagers_error(backend: str) -> None:
+    (x,) = _leaves((4,))
+
+    def step(i: int) -> str:
+        x.grad = None
+        try:
+            BackwardAndVjp.apply(x * 1.5).sum().backward()
+        except RuntimeError as e:
+            return str(e)
+        return "no error"
+
+    result = compare(step, backend, tensors=[x], steps=2, expect_capture=False)
+    result.assert_ok()  # the same message on both steps
+    with ca_runtime.disable():
+        assert step(0).startswith("Implementing both 'backward' and 'vjp'")
+    assert result.stats["eager_fallbacks"] == 0
 
 
 def test_ctx_attributes_set_in_backward_stay_on_the_grad_fn(backend: str) -> None:
