@@ -217,6 +217,21 @@ def build_graph_module(graph: ca_core.BackwardGraph) -> Capture:
         builder.release()
 
 
+# [Note: Hooks taken up front]
+# The graph's `hooks` input holds every Python object the walk collected:
+# hooks, packed saved tensors, and the ctx of each Python Function node, also
+# of nodes that run behind a graph break and never read theirs. At a graph
+# break Dynamo looks through every local it still holds for aliases of the
+# lists it steals (OutputGraph.handle_aliases_for_stolen_lists), and that
+# realizes each item of `hooks`: a Function's ctx is then read for its
+# saved_tensors, which runs their unpack hooks once more than eager does
+# (a non-reentrant checkpoint raises CheckpointError, "Unpack is being
+# triggered for a tensor that was already unpacked once") and guards on
+# them. So the graph takes the items it uses right at its start, in order of
+# first use, and `hooks` dies there, before any break: the items no step uses
+# are never seen by Dynamo.
+
+
 class _GraphBuilder:
     """Writes out the eager engine's loop for one walked backward, node by node.
 
@@ -245,6 +260,8 @@ class _GraphBuilder:
         self.lifted = _LazyItems(fx, lifted_tuple, graph.num_tensors)
         self.lifted_scalars = _LazyItems(fx, scalars, graph.num_scalars)
         self._hook_nodes: dict[int, torch.fx.Node] = {}
+        #: Where the next item of ``hooks`` is taken: up front; see [Note: Hooks taken up front].
+        self._hooks_taken_after = lifted_tuple
         self._dynamic_positions = {
             k: j for j, k in enumerate(k for k, dyn in enumerate(graph.dynamic_sizes) if dyn)
         }
@@ -290,9 +307,10 @@ class _GraphBuilder:
         return [self.getitem(result, i) for i in range(n)]
 
     def hook_at(self, i: int) -> torch.fx.Node:
-        """The graph value of collected Python object ``i`` (a hook, a ctx)."""
+        """The graph value of collected Python object ``i`` (a hook, a ctx); see [Note: Hooks taken up front]."""
         if i not in self._hook_nodes:
-            self._hook_nodes[i] = self.getitem(self._hooks, i)
+            with self.fx.inserting_after(self._hooks_taken_after):
+                self._hook_nodes[i] = self._hooks_taken_after = self.getitem(self._hooks, i)
         return self._hook_nodes[i]
 
     def size_at(self, k: int) -> torch.fx.Node | None:
