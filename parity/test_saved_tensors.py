@@ -178,3 +178,14 @@ def test_a_custom_function_inside_a_non_reentrant_checkpoint() -> None:
         torch.testing.assert_close(
             x.grad, torch.full((4,), 2 * torch.sin(torch.tensor(1.0)) * torch.cos(torch.tensor(1.0)))
         )
+
+
+def test_double_backward_through_saved_tensor_hooks_that_copy() -> None:
+    """The unpacked copy gets the saved tensor's autograd history back: the double backward flows to x."""
+    for _ in range(3):
+        x = torch.ones(3, requires_grad=True)
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t * 1, lambda t: t):
+            y = (x * x * x).sum()
+        (g,) = torch.autograd.grad(y, x, create_graph=True)
+        g.sum().backward()
+        assert torch.equal(x.grad, torch.full((3,), 6.0))

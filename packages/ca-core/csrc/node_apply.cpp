@@ -242,7 +242,12 @@ what happens on every cache hit whenever the graph runs as Python (Dynamo's
 eager backend, compiler_fn returning the graph, the eager side of a graph
 break) -- the node runs as the eager engine runs it, (*node)(grads), without
 SwapSavedVariables, packing or the functional registry. "Exactly" means:
-  - no replacement sizes (saved_sizes is None) and no saved-tensor hooks;
+  - no replacement sizes (saved_sizes is None), and no unpacked values of
+    saved tensors with hooks given by the graph (see [Note: Unpack hooks in
+    the graph]). A node behind a graph break gets none: its own
+    SavedVariables then call the unpack hooks, once per unpack, and give the
+    result the grad_fn or grad accumulator eager's unpack gives it, which a
+    create_graph=True backward differentiates through;
   - each saved tensor is the very tensor the walk lifted (same TensorImpl,
     or the same view of its storage: see [Note: Aliases of a saved output]),
     or a real tensor where the node's was freed early (then it is put back
@@ -292,7 +297,10 @@ FastPath fast_path(
     nb::handle saved_sizes,
     nb::handle scalars) {
   const AutogradCompilerCall& collected = *ns.collected;
-  if (!saved_sizes.is_none() || !collected.sv_to_hooks.empty() ||
+  // Unpacked values given by the graph replace the hooks' calls; without
+  // them the node's own SavedVariables run the hooks, as eager's do.
+  const bool graph_unpacked = tensors.size() > collected.tensor_args.inputs.size();
+  if (!saved_sizes.is_none() || (!collected.sv_to_hooks.empty() && graph_unpacked) ||
       c10::impl::TorchDispatchModeTLS::any_modes_set() ||
       at::impl::torch_function_mode_enabled() ||
       c10::impl::tls_local_dispatch_key_set().included_.has_any(kTracingKeys)) {

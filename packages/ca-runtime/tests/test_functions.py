@@ -6,6 +6,7 @@ import functools
 import gc
 import warnings
 import weakref
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -373,20 +374,35 @@ def test_unpack_hook_dynamo_skips_breaks_at_its_node_only(backend: str) -> None:
     assert result.stats["graph_breaks"] == 2 * result.stats["captures"]
 
 
-def test_unpack_hooks_under_create_graph_run_with_their_node(backend: str) -> None:
+#: Pack hooks: the tensor itself, a new tensor (no autograd metadata: eager's
+#: unpack gives the result the saved tensor's grad_fn or grad accumulator
+#: back), and a detached copy as offloading hooks make.
+_PACKS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "identity": lambda t: t,
+    "times_one": lambda t: t * 1,
+    "detached_copy": lambda t: t.detach().clone(),
+}
+
+
+@pytest.mark.parametrize("pack", list(_PACKS))
+def test_unpack_hooks_under_create_graph_run_with_their_node(backend: str, pack: str) -> None:
+    """A double backward differentiates through what the unpack hooks give, as eager's does."""
     (x,) = _leaves((4,))
     unpacks: list[int] = []
 
-    def step() -> torch.Tensor:
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: unpacks.append(1) or t):
-            y = (x * x).sum()
+    def step() -> tuple[torch.Tensor, int]:
+        x.grad = None
+        unpacks.clear()
+        with torch.autograd.graph.saved_tensors_hooks(_PACKS[pack], lambda t: unpacks.append(1) or t):
+            y = (x * x * x).sum()
         (g,) = torch.autograd.grad(y, x, create_graph=True)
         g.sum().backward()
-        return g.detach()
+        return g.detach(), len(unpacks)
 
-    result = compare(step, backend, tensors=[x], steps=2)
+    result = compare(step, backend, tensors=[x], steps=3)
     result.assert_ok()
     assert result.stats["eager_fallbacks"] == 0
+    assert result.stats["captures"] == 2 and result.stats["cache_hits"] == 4, result.stats
     assert result.stats["graph_breaks"] >= 1
 
 
