@@ -470,3 +470,41 @@ def test_a_users_exception_propagates_as_in_eager_and_runs_its_code_once(
     result.assert_ok()
     assert result.stats["eager_fallbacks"] == 0
     assert result.stats["captures"] >= 1 and result.stats["cache_hits"] >= 1
+
+
+#: Hooks that return what eager refuses: (where it is registered, what it returns).
+_BAD_RESULTS: dict[str, Callable[[torch.Tensor], None]] = {
+    "tensor_hook_wrong_size": lambda h: h.register_hook(lambda g: g[:1]),
+    "tensor_hook_an_int": lambda h: h.register_hook(lambda g: 3),
+    "tensor_hook_wrong_dtype": lambda h: h.register_hook(lambda g: g.double()),
+    "pre_hook_a_list": lambda h: h.grad_fn.register_prehook(lambda go: [go[0] * 2]),
+    "pre_hook_too_many": lambda h: h.grad_fn.register_prehook(lambda go: (go[0], go[0])),
+    "post_hook_replacing_none": lambda h: h.grad_fn.register_hook(lambda gi, go: (gi[0], gi[0])),
+    "post_hook_too_few": lambda h: h.grad_fn.register_hook(lambda gi, go: (gi[0],)),
+}
+
+
+@pytest.mark.parametrize("case", list(_BAD_RESULTS))
+def test_a_hook_returning_what_eager_refuses_raises_eagers_error(backend: str, case: str) -> None:
+    """See [Note: Hook results checked as eager checks them]; a good backward afterwards is still compiled."""
+    x = torch.ones(2, 3, requires_grad=True)
+
+    def step(i: int) -> str:
+        x.grad = None
+        hidden = x * 2
+        if i % 2 == 0:
+            _BAD_RESULTS[case](hidden)
+        try:
+            (hidden * hidden).sum().backward()
+        except (TypeError, RuntimeError) as e:
+            return f"{type(e).__name__}: {e}"
+        return "ok"
+
+    result = compare(step, backend, tensors=[x], steps=4)
+    result.assert_ok()
+    with ca_runtime.disable():
+        assert step(0).startswith(
+            ("TypeError: expected", "RuntimeError: hook '<lambda>'", "RuntimeError: can't")
+        )
+    assert result.stats["eager_fallbacks"] == 0
+    assert result.stats["captures"] + result.stats["cache_hits"] == 4, result.stats

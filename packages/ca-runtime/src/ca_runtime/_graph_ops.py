@@ -152,18 +152,94 @@ def accumulate(old: torch.Tensor | None, new: torch.Tensor | None) -> torch.Tens
     return torch.add(old, new)
 
 
+# [Note: Hook results checked as eager checks them]
+# Eager's Python hooks (torch/csrc/autograd/python_hook.cpp) check what a hook
+# returns before using it: a tensor hook's value must be a tensor (TypeError
+# "expected Variable, but hook returned 'int'") of the grad's type and size,
+# and a grad_fn pre- or post-hook's a tuple (TypeError "expected tuple") as
+# long as what it was given, each value checked the same way; a None grad may
+# not be replaced. The checks below raise eager's errors, with its messages,
+# as the user's (see [Note: User errors are tagged]): they read only dtypes,
+# devices, layouts and sizes, which are static to Dynamo, so they cost nothing
+# in a compiled graph.
+
+#: The legacy type names eager's messages use (``Tensor.type()``).
+_TYPE_NAMES = {
+    torch.float32: "FloatTensor",
+    torch.float64: "DoubleTensor",
+    torch.float16: "HalfTensor",
+    torch.bfloat16: "BFloat16Tensor",
+    torch.complex64: "ComplexFloatTensor",
+    torch.complex128: "ComplexDoubleTensor",
+    torch.int64: "LongTensor",
+    torch.int32: "IntTensor",
+    torch.int16: "ShortTensor",
+    torch.int8: "CharTensor",
+    torch.uint8: "ByteTensor",
+    torch.bool: "BoolTensor",
+}
+
+
+def _type_name(t: torch.Tensor) -> str:
+    device = "" if t.device.type == "cpu" else f"{t.device.type}."
+    return f"torch.{device}{_TYPE_NAMES.get(t.dtype, str(t.dtype))}"
+
+
+def _hook_name(hook: object) -> str:
+    name = getattr(hook, "__name__", None)
+    return name if isinstance(name, str) else "<unknown>"
+
+
+def _checked_value(hook: object, original: torch.Tensor | None, result: object) -> torch.Tensor | None:
+    """One value a hook returned, checked as eager's check_single_result; see [Note: Hook results checked as eager checks them]."""
+    if result is None:
+        return original
+    if original is None:
+        raise user_error(RuntimeError("can't replace a None gradient with a non-None value"))
+    if not isinstance(result, torch.Tensor):
+        raise user_error(TypeError(f"expected Variable, but hook returned '{type(result).__name__}'"))
+    if (
+        result.dtype != original.dtype
+        or result.device.type != original.device.type
+        or result.layout != original.layout
+    ):
+        raise user_error(
+            RuntimeError(
+                f"hook '{_hook_name(hook)}' has changed the type of value "
+                f"(was {_type_name(original)} got {_type_name(result)})"
+            )
+        )
+    if result.shape != original.shape:
+        raise user_error(RuntimeError(f"hook '{_hook_name(hook)}' has changed the size of value"))
+    return result
+
+
+def _checked_values(hook: object, originals: Sequence[torch.Tensor | None], result: object) -> Grads:
+    """A pre- or post-hook's tuple, checked as eager's check_result."""
+    if not isinstance(result, tuple):
+        raise user_error(TypeError(f"expected tuple, but hook returned '{type(result).__name__}'"))
+    if len(result) != len(originals):
+        raise user_error(
+            RuntimeError(
+                f"hook '{_hook_name(hook)}' has returned an incorrect number of values "
+                f"(got {len(result)}, but expected {len(originals)})"
+            )
+        )
+    return [_checked_value(hook, original, value) for original, value in zip(originals, result)]
+
+
 def call_tensor_hook(
     hook: Callable[[torch.Tensor | None], torch.Tensor | None], grad: torch.Tensor | None
 ) -> torch.Tensor | None:
     """A ``Tensor.register_hook`` hook: its result replaces the grad unless None."""
     result = call_user(hook, grad)
-    return grad if result is None else result
+    return grad if result is None else _checked_value(hook, grad, result)
 
 
 def call_pre_hook(hook: Callable[..., Any], grads: Sequence[torch.Tensor | None]) -> Grads:
     """A ``grad_fn.register_prehook`` hook on the node's input grads."""
     result = call_user(hook, tuple(grads))
-    return list(grads) if result is None else list(result)
+    return list(grads) if result is None else _checked_values(hook, grads, result)
 
 
 def call_post_hook(
@@ -173,7 +249,7 @@ def call_post_hook(
 ) -> Grads:
     """A ``grad_fn.register_hook`` hook: (grad_inputs, grad_outputs) of the node."""
     result = call_user(hook, tuple(outputs), tuple(inputs))
-    return list(outputs) if result is None else list(result)
+    return list(outputs) if result is None else _checked_values(hook, outputs, result)
 
 
 def unwrap_size(size: torch.Tensor) -> int:
