@@ -130,10 +130,12 @@ def test_a_function_defining_vjp_is_captured(backend: str) -> None:
         CubeByVjp.apply(x * 1.5).sum().backward()
         return x.grad
 
-    result = compare(step, backend, tensors=[x], steps=3)
+    with pytest.warns(ca_runtime.GraphBreakWarning, match="defining vjp"):
+        result = compare(step, backend, tensors=[x], steps=3)
     result.assert_ok()
     assert result.stats["captures"] == 1 and result.stats["cache_hits"] == 2
-    assert result.stats["eager_fallbacks"] == 0 and result.stats["graph_breaks"] == 0
+    # Run by the real node behind one graph break: eager's choice of vjp.
+    assert result.stats["eager_fallbacks"] == 0 and result.stats["graph_breaks"] == 1
 
 
 def test_a_function_defining_backward_and_vjp_raises_eagers_error(backend: str) -> None:

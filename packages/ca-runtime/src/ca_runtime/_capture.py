@@ -545,6 +545,12 @@ _APPLY: dict[Handling, Callable[[_GraphBuilder, ca_core.NodeInfo, list[Any], str
 }
 
 
+def _defines_vjp(function: ca_core.FunctionInfo | None) -> bool:
+    """Whether a Python Function's class defines ``vjp``, the documented alias of ``backward``."""
+    forward_cls = getattr(function.ctx, "_forward_cls", None) if function is not None else None
+    return forward_cls is not None and forward_cls.vjp is not torch.autograd.Function.vjp
+
+
 def _handling_of(node: ca_core.NodeInfo, rule: NodeRule, create_graph: bool) -> tuple[Handling, str]:
     """How the capture takes a node that runs: its rule, with the probes and exceptions applied."""
     handling, reason = rule.handling, rule.reason
@@ -554,6 +560,11 @@ def _handling_of(node: ca_core.NodeInfo, rule: NodeRule, create_graph: bool) -> 
         handling = Handling.BREAK
         if node.num_saved_tensor_hooks:
             reason = "a Python Function whose saved tensors have unpack hooks runs eagerly"
+    elif handling is Handling.FUNCTION and _defines_vjp(node.function):
+        # Eager's PyNode picks vjp (or refuses a Function defining both);
+        # Dynamo inlines only `backward`.
+        handling = Handling.BREAK
+        reason = "a Python Function defining vjp (backward's alias) runs eagerly"
     if handling is Handling.TRACE and node.unpack_hooks and create_graph:
         # A swapped-in unpacked tensor would lose the grad_fn eager's unpack gives it.
         handling = Handling.BREAK

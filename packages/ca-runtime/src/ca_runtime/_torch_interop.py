@@ -160,9 +160,9 @@ def call_backward(
 ) -> tuple[Any, ...]:
     """3. Runs ``ctx``'s Function backward on ``saved_tensors``; see [Note: ctx writes in a backward]."""
     fake = FakeBackwardCFunction(ctx, saved_tensors)  # type: ignore[arg-type]
-    # Eager's choice between backward and its alias vjp, and its error when a
-    # Function defines both (BackwardCFunction._get_user_fn).
-    result = ctx._get_user_fn()(fake, *grads)
+    # A Function defining vjp (backward's alias) is not called here: it runs
+    # behind a graph break (_capture.py's _defines_vjp).
+    result = fake._forward_cls.backward(fake, *grads)
     for name, value in fake.__dict__.items():
         if name not in _FAKE_OWN_ATTRIBUTES:
             setattr(ctx, name, value)
