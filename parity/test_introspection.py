@@ -171,3 +171,24 @@ def test_the_profiler_shows_one_range_per_node_with_its_sequence_number() -> Non
         loss.backward()
     ranges = {(e.name, e.sequence_nr) for e in prof.events() if e.name.startswith("autograd::engine::")}
     assert expected <= ranges
+
+
+_CTX_SEEN: list[tuple[bool, str]] = []
+
+
+class InspectsItsCtx(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        _CTX_SEEN.append((isinstance(ctx, Node), ctx.name()))
+        return grad * 2
+
+
+def test_a_functions_ctx_in_its_backward_is_a_node() -> None:
+    _CTX_SEEN.clear()
+    for _ in range(2):
+        InspectsItsCtx.apply(torch.ones(3, requires_grad=True) * 1.0).sum().backward()
+    assert _CTX_SEEN == [(True, "InspectsItsCtxBackward")] * 2

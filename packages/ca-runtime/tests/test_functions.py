@@ -156,6 +156,38 @@ def test_a_function_defining_backward_and_vjp_raises_eagers_error(backend: str) 
     assert result.stats["eager_fallbacks"] == 0
 
 
+class ChecksItsNode(torch.autograd.Function):
+    """A backward that inspects its ctx as libraries do."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        scale = (
+            3.0
+            if isinstance(ctx, torch.autograd.graph.Node) and ctx.name() == "ChecksItsNodeBackward"
+            else 1.0
+        )
+        return grad * scale
+
+
+def test_a_functions_ctx_is_a_node_in_the_graph(backend: str) -> None:
+    """See [Note: The ctx a backward sees is a Node] in _torch_interop.py."""
+    (x,) = _leaves((4,))
+
+    def step(i: int) -> torch.Tensor:
+        x.grad = None
+        ChecksItsNode.apply(x * 1.5).sum().backward()
+        return x.grad
+
+    result = compare(step, backend, tensors=[x], steps=3)
+    result.assert_ok()
+    assert result.stats["captures"] == 1 and result.stats["cache_hits"] == 2
+    assert result.stats["eager_fallbacks"] == 0 and result.stats["graph_breaks"] == 0
+
+
 def test_ctx_attributes_set_in_backward_stay_on_the_grad_fn(backend: str) -> None:
     """See [Note: ctx writes in a backward]; fresh grad_fns on hits too."""
     (x,) = _leaves((3,))

@@ -51,6 +51,8 @@ def test_3_fake_ctx_runs_a_functions_backward() -> None:
         "real",
         "saved_tensors",
     ]
+    # See [Note: The ctx a backward sees is a Node].
+    assert isinstance(_torch_interop.FakeBackwardCFunction(ctx, []), torch.autograd.graph.Node)
 
 
 def test_4_dynamo_trace_rules_tell_skipped_from_inlined() -> None:

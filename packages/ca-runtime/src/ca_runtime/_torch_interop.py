@@ -15,7 +15,8 @@ Used through this module:
      Python Function's backward gets in a graph (its ``saved_tensors`` are
      the lifted ones); Dynamo inlines a backward only when handed exactly
      this type. ``call_backward`` below replaces torch's helper of that name;
-     see [Note: ctx writes in a backward].
+     see [Note: ctx writes in a backward]. Registered as a virtual subclass
+     of ``torch.autograd.graph.Node``; see [Note: The ctx a backward sees is a Node].
   4. ``torch._dynamo.trace_rules.lookup`` and ``SkipFunctionVariable``:
      whether Dynamo would inline a hook (``dynamo_skips``).
   5. ``torch._dynamo.utils.set_locals_to_steal``: lets Dynamo take over the
@@ -153,6 +154,16 @@ def rearm_torch_compiled_autograd() -> None:
 # Dynamo traces the copy as attribute writes to a graph input and replays them
 # after the compiled graph; a backward that writes nothing copies nothing.
 _FAKE_OWN_ATTRIBUTES = ("real", "saved_tensors")
+
+# [Note: The ctx a backward sees is a Node]
+# In eager, a Function's ctx is its BackwardCFunction, an instance of
+# torch.autograd.graph.Node (Node's __subclasshook__ says so), and libraries
+# check that (isinstance(ctx, Node), then ctx.name(), ctx.next_functions).
+# The FakeBackwardCFunction a graph hands the backward reads those through
+# to the real ctx but is no Node subclass; registering it as a virtual one
+# makes isinstance answer as in eager, for Dynamo's traced check too. It
+# changes no behaviour of torch's own: only isinstance/issubclass answers.
+torch.autograd.graph.Node.register(FakeBackwardCFunction)
 
 
 def call_backward(
