@@ -122,14 +122,20 @@ class BackwardAndVjp(CubeByVjp):
         return grad
 
 
-def test_a_function_defining_vjp_is_captured(backend: str) -> None:
+def _one_function_step(function: type[torch.autograd.Function]) -> tuple[Callable[[int], Any], torch.Tensor]:
+    """A step applying ``function`` to a scaled leaf; it returns the leaf's grad."""
     (x,) = _leaves((4,))
 
     def step(i: int) -> torch.Tensor:
         x.grad = None
-        CubeByVjp.apply(x * 1.5).sum().backward()
+        function.apply(x * 1.5).sum().backward()
         return x.grad
 
+    return step, x
+
+
+def test_a_function_defining_vjp_is_captured(backend: str) -> None:
+    step, x = _one_function_step(CubeByVjp)
     with pytest.warns(ca_runtime.GraphBreakWarning, match="defining vjp"):
         result = compare(step, backend, tensors=[x], steps=3)
     result.assert_ok()
@@ -175,13 +181,7 @@ class ChecksItsNode(torch.autograd.Function):
 
 def test_a_functions_ctx_is_a_node_in_the_graph(backend: str) -> None:
     """See [Note: The ctx a backward sees is a Node] in _torch_interop.py."""
-    (x,) = _leaves((4,))
-
-    def step(i: int) -> torch.Tensor:
-        x.grad = None
-        ChecksItsNode.apply(x * 1.5).sum().backward()
-        return x.grad
-
+    step, x = _one_function_step(ChecksItsNode)
     result = compare(step, backend, tensors=[x], steps=3)
     result.assert_ok()
     assert result.stats["captures"] == 1 and result.stats["cache_hits"] == 2
