@@ -89,6 +89,40 @@ def test_no_node_run_plan_or_graph_source_outlives_reset(backend: str) -> None:
     assert len(_loader.eval_cache) == sources
 
 
+def test_no_dynamo_guard_set_or_cache_entry_outlives_reset(backend: str) -> None:
+    """See [Note: What Dynamo keeps of a dropped graph]: the graphs' guard managers and cache entries go with reset()."""
+    import gc
+
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+    from torch._dynamo.guards import CheckFunctionManager
+
+    x = torch.randn(8, requires_grad=True)
+    codes = []
+
+    def compiler(gm: torch.fx.GraphModule) -> object:
+        codes.append(type(gm).forward.__code__)
+        return torch.compile(gm, backend=backend)
+
+    def managers() -> int:
+        gc.collect()
+        return sum(type(o) is CheckFunctionManager for o in gc.get_objects())
+
+    ca_runtime.reset()
+    before = managers()
+    for _ in range(4):
+        with ca_runtime.enable(compiler):
+            y = x
+            for _ in range(10):
+                y = (y * 1.01).sin()
+            y.sum().backward()
+            assert ca_runtime.stats()["captures"] == 1
+        assert managers() > before  # the capture compiled in Dynamo
+        assert _debug_get_cache_entry_list(codes[-1])
+        ca_runtime.reset()
+        assert not _debug_get_cache_entry_list(codes[-1])
+    assert managers() == before
+
+
 def test_a_fallback_is_reported_to_the_backwards_own_runtime_after_enable_exits() -> None:
     """The worker's first run fails after the main thread left enable(): its runtime still warns and records."""
     import threading

@@ -192,3 +192,18 @@ def test_12_torch_logging_registers_the_ca_log_and_reads_artifacts() -> None:
     wanted, verbose = _torch_interop.register_ca_logs()
     assert isinstance(wanted, bool) and isinstance(verbose, bool)
     assert "ca" in torch._logging._internal.log_registry.log_alias_to_log_qnames
+
+
+def test_13_dynamo_state_of_a_code_is_released() -> None:
+    """See [Note: What Dynamo keeps of a dropped graph]."""
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    def fn(t: torch.Tensor) -> torch.Tensor:
+        return t * 2
+
+    compiled = torch.compile(fn, backend="eager")
+    compiled(torch.ones(2))
+    assert len(_debug_get_cache_entry_list(fn.__code__)) == 1
+    _torch_interop.release_dynamo_state(fn.__code__)
+    assert _debug_get_cache_entry_list(fn.__code__) == []
+    assert torch.equal(compiled(torch.ones(2)), torch.full((2,), 2.0))  # compiles again

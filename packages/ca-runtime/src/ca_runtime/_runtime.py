@@ -75,6 +75,7 @@ from ca_runtime._torch_interop import (
     FakeBackwardCFunction,
     call_backward,
     forget_sources_with,
+    release_dynamo_state_with,
     set_locals_to_steal,
     sources_made,
     warnings_ignored_while_dynamo_compiles,
@@ -303,6 +304,8 @@ class Runtime:
             return None
         # See [Note: Calling Dynamo's cached code directly] in _dynamo_direct.py.
         compiled = wrap_if_dynamo_module(compiled, form)
+        # See [Note: What Dynamo keeps of a dropped graph] in _torch_interop.py.
+        release_dynamo_state_with(compiled, type(form).forward.__code__)
         records.capture_compiled(record, time.perf_counter() - start)
         self._records.pending = record
         self._records.num_outputs = graph.num_outputs + len(captured.leaf_outputs)

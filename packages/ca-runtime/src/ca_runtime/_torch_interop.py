@@ -45,6 +45,10 @@ Used through this module:
   12. ``torch._logging._internal``: ``register_log`` (``torch._logging.set_logs(ca=...)``)
      and ``log_state.is_artifact_enabled`` (``TORCH_LOGS=compiled_autograd``);
      see _log.py.
+  13. Dynamo's per-code state: ``_debug_get_cache_entry_list``,
+     ``eval_frame.remove_from_cache``, ``CheckFunctionManager.invalidate``
+     finalizers in ``weakref.finalize._registry`` and ``pgo._CODE_STATE``;
+     see [Note: What Dynamo keeps of a dropped graph].
 Used in place, because they are what the module is about:
   6. AOTAutograd's ``CompiledFunction`` internals in _aot.py (``_aot_id``,
      ``_bw_prologue_fn``, ``metadata``, ``maybe_subclass_metadata``,
@@ -94,6 +98,8 @@ __all__ = [
     "keep_hook_across_torch_disable",
     "rearm_torch_compiled_autograd",
     "register_ca_logs",
+    "release_dynamo_state",
+    "release_dynamo_state_with",
     "routed_torch_compiled_autograd",
     "set_locals_to_steal",
     "sources_made",
@@ -332,6 +338,59 @@ def forget_sources_with(owner: object, keys: list[str]) -> None:
     """9. Drops ``keys`` from FX's eval cache and linecache when ``owner`` dies."""
     if keys:
         weakref.finalize(owner, _forget_sources, keys).atexit = False
+
+
+# [Note: What Dynamo keeps of a dropped graph]
+# torch.compile of a captured graph leaves state keyed by the graph's forward
+# code that neither reset() nor torch._dynamo.reset() frees, about 3 MB a
+# capture with backend "eager" (its FakeTensors, ShapeEnv, guard tree and
+# output GraphModule): utils.orig_code_map maps the transformed code to the
+# graph's code strongly, and the graph's code holds its cache entries, which
+# hold the transformed code (a cycle through C++ that gc cannot see); and each
+# CheckFunctionManager is kept by a weakref.finalize on every object its
+# guards match by id or type, here `list`, `tuple` and a function of
+# _graph_ops, which never die. When the callable a capture compiled is let go
+# (reset(), a compiler's cache dropped), release_dynamo_state frees that code's
+# cache entries, detaches those finalizers and drops its PGO state. What stays
+# is torch's own (ShapeEnv.tracked_fakes keeps a cycle through the fake
+# tensors' autograd graph, as a plain torch.compile of a function with
+# non-leaf inputs that require grad does): about 1 MB a capture with "eager".
+
+
+def _guard_finalizers(managers: list[Any]) -> list[weakref.finalize]:
+    from torch._dynamo.guards import CheckFunctionManager
+
+    found = []
+    for finalizer, info in list(weakref.finalize._registry.items()):  # type: ignore[attr-defined]
+        func = info.func
+        bound = getattr(func, "func", None)
+        if (
+            isinstance(func, functools.partial)
+            and getattr(bound, "__func__", None) is CheckFunctionManager.invalidate
+            and any(getattr(bound.__self__, "guard_manager", None) is m for m in managers)  # type: ignore[union-attr]
+        ):
+            found.append(finalizer)
+    return found
+
+
+def release_dynamo_state(code: types.CodeType) -> None:
+    """13. Frees what Dynamo keeps for ``code``; see [Note: What Dynamo keeps of a dropped graph]."""
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    managers = [entry.guard_manager for entry in _debug_get_cache_entry_list(code)]
+    if managers:
+        for finalizer in _guard_finalizers(managers):
+            finalizer.detach()
+        torch._dynamo.eval_frame.remove_from_cache(code)
+    pgo = torch._dynamo.pgo
+    if pgo._CODE_STATE is not None:
+        pgo._CODE_STATE.pop(pgo.CodeId.make(code), None)
+
+
+def release_dynamo_state_with(owner: object, code: types.CodeType) -> None:
+    """13. ``release_dynamo_state(code)`` when ``owner`` (the compiled callable ca_core holds) dies."""
+    with contextlib.suppress(TypeError):  # not weakly referenceable: nothing to hook
+        weakref.finalize(owner, release_dynamo_state, code).atexit = False
 
 
 def dynamo_context_backend(obj: object) -> tuple[object, object] | None:
