@@ -361,7 +361,10 @@ def _guard_finalizers(managers: list[Any]) -> list[weakref.finalize]:
     from torch._dynamo.guards import CheckFunctionManager
 
     found = []
-    for finalizer, info in list(weakref.finalize._registry.items()):  # type: ignore[attr-defined]
+    # A copy in one C call: iterating the registry itself allocates, a
+    # collection may run other finalizers, and they change it.
+    registry = weakref.finalize._registry.copy()  # type: ignore[attr-defined]
+    for finalizer, info in registry.items():
         func = info.func
         bound = getattr(func, "func", None)
         if (
@@ -374,7 +377,17 @@ def _guard_finalizers(managers: list[Any]) -> list[weakref.finalize]:
 
 
 def release_dynamo_state(code: types.CodeType) -> None:
-    """13. Frees what Dynamo keeps for ``code``; see [Note: What Dynamo keeps of a dropped graph]."""
+    """13. Frees what Dynamo keeps for ``code``; see [Note: What Dynamo keeps of a dropped graph].
+
+    Run from a finalizer, at any allocation: best effort, it never raises
+    (what it cannot free stays as it was).
+    """
+    # A finalizer must not raise; nothing is lost but memory.
+    with contextlib.suppress(Exception):
+        _release_dynamo_state(code)
+
+
+def _release_dynamo_state(code: types.CodeType) -> None:
     from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
 
     managers = [entry.guard_manager for entry in _debug_get_cache_entry_list(code)]
