@@ -156,28 +156,15 @@ def test_unpack_hook_after_the_graph_was_freed_is_not_called() -> None:
     assert unpacked == ["unpack"]
 
 
-class _SquareSavingInput(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return x * x
-
-    @staticmethod
-    def backward(ctx, grad):
-        (x,) = ctx.saved_tensors
-        return 2 * x * grad
-
-
 def test_a_custom_function_inside_a_non_reentrant_checkpoint() -> None:
     """Its saved tensors are checkpoint's: unpacked once per backward, recomputed each time."""
     from torch.utils.checkpoint import checkpoint
 
     for _ in range(3):  # a capture, then cache hits
         x = torch.ones(4, requires_grad=True)
-        checkpoint(lambda a: _SquareSavingInput.apply(a.sin()), x, use_reentrant=False).sum().backward()
-        torch.testing.assert_close(
-            x.grad, torch.full((4,), 2 * torch.sin(torch.tensor(1.0)) * torch.cos(torch.tensor(1.0)))
-        )
+        checkpoint(lambda a: Cube.apply(a.sin()), x, use_reentrant=False).sum().backward()
+        one = torch.tensor(1.0)
+        torch.testing.assert_close(x.grad, torch.full((4,), 3 * torch.sin(one) ** 2 * torch.cos(one)))
 
 
 def test_double_backward_through_saved_tensor_hooks_that_copy() -> None:
