@@ -1,6 +1,7 @@
 // functions.cpp — C++ autograd Functions and hooks the differential tests
 // build with torch.utils.cpp_extension (see conftest.py's cpp_ext fixture).
-#include <torch/extension.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/python.h>
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;

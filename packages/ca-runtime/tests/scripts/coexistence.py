@@ -18,7 +18,7 @@ from torch._dynamo import compiled_autograd as torch_ca
 ORDERS = {
     "torch_first": ["torch", "ours"],
     "ours_first": ["ours", "torch"],
-    "alternate": ["torch", "ours"] * 5,
+    "alternate": ["torch", "ours"] * 3,
 }
 
 
