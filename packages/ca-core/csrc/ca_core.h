@@ -440,5 +440,7 @@ void register_node_apply(nb::module_& m);
 /// describe.cpp: NodeInfo, BackwardGraph and the other seam types.
 void register_describe(nb::module_& m);
 void register_compiler_interface(nb::module_& m);
+/// testing_helpers.cpp: ca_core._C._testing, C++ Functions and hooks for the tests.
+void register_testing_helpers(nb::module_& m);
 
 } // namespace ca

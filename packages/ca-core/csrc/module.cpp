@@ -20,4 +20,5 @@ NB_MODULE(_C, m) {
   ca::register_compiler_interface(m);
   ca::register_engine_hook(m);
   ca::torch_private::register_torch_private(m);
+  ca::register_testing_helpers(m);
 }

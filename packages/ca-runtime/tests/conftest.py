@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import tempfile
-from pathlib import Path
 from types import ModuleType
 
 import ca_core
@@ -43,19 +40,9 @@ def clean_state():
 
 @pytest.fixture(scope="session")
 def cpp_ext() -> ModuleType:
-    """C++ autograd Functions and hooks from cpp/functions.cpp, built once.
+    """C++ autograd Functions and a C++ tensor hook, as a user's C++ extension defines them.
 
-    The build directory is fixed so that pytest-xdist workers share one build
-    (torch's cpp_extension serialises them with a lock file).
+    Built with ca_core (csrc/testing_helpers.cpp), so that no test environment
+    compiles an extension of its own.
     """
-    from torch.utils.cpp_extension import load
-
-    build_dir = Path(tempfile.gettempdir()) / f"ca_runtime_test_ext_{torch.__version__}"
-    build_dir.mkdir(parents=True, exist_ok=True)
-    return load(
-        name="ca_runtime_test_functions",
-        sources=[os.fspath(Path(__file__).parent / "cpp" / "functions.cpp")],
-        build_directory=os.fspath(build_dir),
-        extra_cflags=["-O0"],  # test helpers: a quicker build (about 25 s, not 34 s)
-        verbose=False,
-    )
+    return ca_core._C._testing
