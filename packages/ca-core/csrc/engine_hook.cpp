@@ -950,9 +950,14 @@ void untag_user_error() {
   PyObject* traceback = nullptr;
   PyErr_Fetch(&type, &value, &traceback);
   PyErr_NormalizeException(&type, &value, &traceback);
-  if (value != nullptr && PyObject_HasAttrString(value, "__ca_user_error__") &&
-      PyObject_DelAttrString(value, "__ca_user_error__") != 0) {
-    PyErr_Clear();
+  if (value != nullptr && PyObject_HasAttrString(value, "__ca_user_error__")) {
+    // Generic deletion, past a class's own __delattr__ (a frozen exception
+    // class refuses it; ca_runtime set the tag the same way).
+    PyObject* name = PyUnicode_FromString("__ca_user_error__");
+    if (name == nullptr || PyObject_GenericSetAttr(value, name, nullptr) != 0) {
+      PyErr_Clear();
+    }
+    Py_XDECREF(name);
   }
   PyErr_Restore(type, value, traceback);
 }

@@ -188,6 +188,72 @@ def test_a_functions_ctx_is_a_node_in_the_graph(backend: str) -> None:
     assert result.stats["eager_fallbacks"] == 0 and result.stats["graph_breaks"] == 0
 
 
+_ctx_table: weakref.WeakKeyDictionary[Any, float] = weakref.WeakKeyDictionary()
+
+
+class DeletesWhatForwardSet(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[override]
+        ctx.scale = 3.0
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        scale = ctx.scale
+        del ctx.scale
+        return grad * scale * (1.0 if hasattr(ctx, "scale") else 2.0)
+
+
+class KeyedByItsCtx(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[override]
+        _ctx_table[ctx] = 4.0
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return grad * _ctx_table[ctx]
+
+
+@pytest.mark.parametrize("function", [DeletesWhatForwardSet, KeyedByItsCtx], ids=["del", "weak_key"])
+def test_a_backward_uses_its_ctx_as_the_real_one(
+    function: type[torch.autograd.Function], backend: str
+) -> None:
+    """See [Note: The ctx a backward sees is the real one to the user]: ``del ctx.attr``, the ctx as a dict key."""
+    step, x = _one_function_step(function)
+    result = compare(step, backend, tensors=[x], steps=3)
+    result.assert_ok()
+    assert result.stats["captures"] == 1 and result.stats["cache_hits"] == 2
+    assert result.stats["eager_fallbacks"] == 0 and result.stats["graph_breaks"] == 0
+
+
+class WritesThenRaises(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[override]
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        ctx.seen = grad.sum()
+        raise ValueError("a user's error in backward")
+
+
+def test_what_a_raising_backward_wrote_on_its_ctx_stays(backend: str) -> None:
+    """The user's error propagates; attributes set before it stay on the grad_fn, as in eager."""
+    (x,) = _leaves((3,))
+
+    def step(i: int) -> tuple[str, object]:
+        y = WritesThenRaises.apply(x * 1.5)
+        with pytest.raises(ValueError, match="a user's error") as raised:
+            y.sum().backward()
+        return str(raised.value), y.grad_fn.seen
+
+    result = compare(step, backend, tensors=[x], steps=3)
+    result.assert_ok()
+    assert result.stats["captures"] == 1 and result.stats["cache_hits"] == 2
+    assert result.stats["eager_fallbacks"] == 0
+
+
 def test_ctx_attributes_set_in_backward_stay_on_the_grad_fn(backend: str) -> None:
     """See [Note: ctx writes in a backward]; fresh grad_fns on hits too."""
     (x,) = _leaves((3,))

@@ -373,6 +373,30 @@ def test_python_hooks_on_a_leafs_grad_accumulator_run_in_eager_order_without_a_b
     assert result.stats["graph_breaks"] == 0 and result.stats["eager_fallbacks"] == 0
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+def test_a_leafs_post_hook_sees_the_grad_that_became_its_grad(layout: str, backend: str) -> None:
+    """See [Note: A leaf steals its first grad]: AccumulateGrad's post hook sees .grad's storage.
+
+    A transposed grad breaks the layout contract: eager copies it, and the
+    post-accumulate hook's change does not show in the post hook's input.
+    """
+
+    def step(i: int) -> torch.Tensor:
+        t = torch.ones(2, 2, requires_grad=True)  # a fresh leaf: its hooks are the step's own
+        acc = t.view_as(t).grad_fn.next_functions[0][0]
+        t.register_hook(lambda g: g.sub(2.0) if layout == "contiguous" else g.sub(2.0).t().contiguous().t())
+        acc.register_prehook(lambda go: (go[0].div(5.0),))
+        t.register_post_accumulate_grad_hook(lambda p: (p.grad.add_(0.5), None)[1])
+        acc.register_hook(lambda gi, go: setattr(t, "grad", go[0].mul(10)))
+        (t * torch.tensor([[1.0, 2.0], [3.0, 4.0]])).sum().backward()
+        return t.grad
+
+    result = compare(step, backend, steps=3)
+    result.assert_ok()
+    assert result.stats["captures"] == 1 and result.stats["cache_hits"] == 2
+    assert result.stats["graph_breaks"] == 0 and result.stats["eager_fallbacks"] == 0
+
+
 class _MaybeRaisingBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, log, fail):  # type: ignore[override]
@@ -470,6 +494,47 @@ def test_a_users_exception_propagates_as_in_eager_and_runs_its_code_once(
     result.assert_ok()
     assert result.stats["eager_fallbacks"] == 0
     assert result.stats["captures"] >= 1 and result.stats["cache_hits"] >= 1
+
+
+class _FrozenError(Exception):
+    """A user's exception class that refuses attribute writes."""
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"_FrozenError refuses {name}")
+
+
+def test_a_users_exception_that_refuses_attributes_propagates_as_itself() -> None:
+    """See [Note: User errors are tagged]: the tag goes past its __setattr__, the hook runs once a backward.
+
+    With the compiler ``lambda gm: gm``: under Dynamo, torch's own frame
+    evaluation sets ``__traceback__`` on an exception leaving a compiled frame
+    (contextlib), which such a class refuses, as it does for any
+    ``torch.compile``d function.
+    """
+    calls: list[int] = []
+
+    def step(i: int) -> tuple[str, int]:
+        x = torch.ones(3, requires_grad=True)
+        y = x * 2
+
+        def hook(g: torch.Tensor) -> torch.Tensor:
+            calls.append(i)
+            if i % 2 == 0:
+                raise _FrozenError("a user's frozen error")
+            return g
+
+        y.register_hook(hook)
+        try:
+            (y * y).sum().backward()
+            error = "none"
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}"
+        return error, len(calls)
+
+    result = compare(lambda i: (calls.clear(), step(i))[1], lambda gm: gm, steps=4)
+    result.assert_ok()
+    assert result.stats["captures"] == 1 and result.stats["cache_hits"] == 3
+    assert result.stats["eager_fallbacks"] == 0
 
 
 #: Hooks that return what eager refuses: (where it is registered, what it returns).

@@ -207,3 +207,15 @@ def test_13_dynamo_state_of_a_code_is_released() -> None:
     _torch_interop.release_dynamo_state(fn.__code__)
     assert _debug_get_cache_entry_list(fn.__code__) == []
     assert torch.equal(compiled(torch.ones(2)), torch.full((2,), 2.0))  # compiles again
+
+
+def test_14_a_traced_setattr_is_none() -> None:
+    """See [Note: setattr is None in a trace]: the side effect happens, the call's value is Python's."""
+    t = torch.zeros(2, requires_grad=True)
+
+    def fn(g: torch.Tensor) -> tuple[object, torch.Tensor]:
+        return setattr(t, "grad", g * 2), g + 1  # type: ignore[func-returns-value]
+
+    result, _ = torch.compile(fn, backend="eager", fullgraph=True)(torch.ones(2))
+    assert result is None
+    assert torch.equal(t.grad, torch.full((2,), 2.0))

@@ -405,6 +405,12 @@ class _GraphBuilder:
                 )
         return buffer
 
+    def _computed_here(self, value: Any) -> bool:
+        """Whether ``value`` is a tensor the graph computes, not one of its inputs; see [Note: A leaf steals its first grad]."""
+        while isinstance(value, torch.fx.Node) and value.target is operator.getitem:
+            value = value.args[0]
+        return isinstance(value, torch.fx.Node) and value.op != "placeholder"
+
     def _unsupported(self, node: ca_core.NodeInfo, buffer: list[Any], reason: str) -> None:
         raise UnsupportedNode(node, reason)
 
@@ -425,6 +431,7 @@ class _GraphBuilder:
                     self.lifted[node.tensor_slots[0]],
                     buffer[0],
                     [self.hook_at(h) for h in node.post_acc_grad_hooks],
+                    bool(node.post_hooks) and self._computed_here(buffer[0]),
                 ),
             )
             for post_hook in node.post_hooks:

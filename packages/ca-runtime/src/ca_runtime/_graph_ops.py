@@ -89,14 +89,24 @@ def call_user(fn: Callable[..., Any], *args: Any) -> Any:
     try:
         return fn(*args)
     except Exception as e:
-        e.__ca_user_error__ = True  # type: ignore[attr-defined]
+        _tag(e)
         raise
 
 
 def user_error(error: Exception) -> Exception:
     """``error``, tagged as the user's (a mistake eager reports too)."""
-    error.__ca_user_error__ = True  # type: ignore[attr-defined]
+    _tag(error)
     return error
+
+
+def _tag(error: BaseException) -> None:
+    """Sets the tag of [Note: User errors are tagged], also on a class that refuses attribute writes."""
+    try:
+        error.__ca_user_error__ = True  # type: ignore[attr-defined]
+    except Exception:  # noqa: BLE001 - whatever its __setattr__ raises
+        # Its __setattr__ raises (a frozen exception class): the instance
+        # dict still takes the tag, and the user's exception stays the one raised.
+        object.__setattr__(error, USER_ERROR_TAG, True)
 
 
 def raised_by_user_code(error: BaseException) -> bool:
@@ -104,7 +114,7 @@ def raised_by_user_code(error: BaseException) -> bool:
     if getattr(error, USER_ERROR_TAG, False) is not True:
         return False
     with contextlib.suppress(AttributeError):
-        delattr(error, USER_ERROR_TAG)
+        object.__delattr__(error, USER_ERROR_TAG)  # past a class's own __delattr__, as it was set
     return True
 
 
@@ -325,23 +335,67 @@ def call_opaque_tensor_pre_hook(
 
 
 def accumulate_leaf(
-    variable: torch.Tensor, grad: torch.Tensor | None, hooks: Sequence[Callable[[torch.Tensor], Any]]
+    variable: torch.Tensor,
+    grad: torch.Tensor | None,
+    hooks: Sequence[Callable[[torch.Tensor], Any]],
+    may_steal: bool,
 ) -> None:
     """A leaf accumulated in the graph, then its post-accumulate-grad hooks.
 
-    See [Note: Leaves accumulated in the graph] in ca_core. ``inductor::accumulate_grad_``
-    is torch's op for this: Dynamo traces it (a fresh grad, stored to
-    ``variable.grad`` as a side effect), and without Dynamo its kernel
-    accumulates as AccumulateGrad does (clone obeying the layout contract
-    instead of stealing). An undefined grad accumulates nothing and calls no
+    See [Note: Leaves accumulated in the graph] in ca_core and [Note: A leaf
+    steals its first grad]. ``inductor::accumulate_grad_`` is torch's op for
+    adding to a ``.grad`` that exists (Dynamo traces it as a side effect on
+    ``variable.grad``). An undefined grad accumulates nothing and calls no
     hook, as AccumulateGrad does.
     """
     if grad is None:
         return
-    torch.ops.inductor.accumulate_grad_.default(variable, variable.grad, grad)
+    if may_steal and variable.grad is None and _obeys_layout_contract(grad, variable):
+        variable.grad = grad.detach()
+    else:
+        torch.ops.inductor.accumulate_grad_.default(variable, variable.grad, grad)
     for hook in hooks:
         if call_user(hook, variable) is not None:
             raise user_error(RuntimeError("Tensor post accumulate grad hooks should return None."))
+
+
+# [Note: A leaf steals its first grad]
+# Eager's AccumulateGrad does not copy the grad it receives when the leaf has
+# no .grad yet: it stores a detached alias of it as .grad (when grad mode is
+# off, nothing else holds the grad, and its strides obey the layout contract;
+# torch/csrc/autograd/functions/accumulate_grad.h). The node's own post hooks
+# (grad_acc.register_hook) then see in their inputs the tensor that became
+# .grad, so a post-accumulate-grad hook's in-place change to p.grad shows in
+# them. The graph does the same for a leaf with such post hooks (where the
+# difference shows): the capture passes may_steal when the grad is a value the
+# graph computes (not one of its inputs, which the caller holds), and the
+# layout contract is checked on the values as eager checks it. Every other
+# leaf accumulated in the graph gets a copy, which nothing can tell apart. A
+# hook that keeps a reference to the grad it returned (eager would copy then)
+# or a grad passed through unchanged from a graph input is not seen.
+def _non_overlapping_and_dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill its storage span exactly once, in some order of its dimensions (c10's check)."""
+    expected = 1
+    for stride, size in sorted(zip(t.stride(), t.shape)):
+        if size == 1:
+            continue
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _obeys_layout_contract(grad: torch.Tensor, variable: torch.Tensor) -> bool:
+    """Whether ``grad`` may become ``variable.grad`` as it is (torch's utils::obeys_layout_contract, dense case)."""
+    if grad.layout != torch.strided or variable.layout != torch.strided or variable.is_nested:
+        return False
+    if _non_overlapping_and_dense(variable):
+        # A dimension of size 1 may have any stride but 0 (a view, as cat's).
+        return all(
+            g_stride != 0 if size == 1 else g_stride == v_stride
+            for size, g_stride, v_stride in zip(grad.shape, grad.stride(), variable.stride())
+        )
+    return grad.is_contiguous()
 
 
 @torch._dynamo.disable

@@ -352,15 +352,24 @@ class Runtime:
         described = records.describe_inputs(inputs) if record is not None else []
         take_started()  # only the compiles this run starts; see take_compiling()
         start = time.perf_counter()
-        try:
-            # See [Note: Dynamo's tracing cycles] and, in _torch_interop.py,
-            # [Note: Warnings while Dynamo traces].
-            with (
-                _collecting_tracing_cycles(),
-                warnings_ignored_while_dynamo_compiles(),
-                _backward_inductor_options(),
-            ):
+        failed: Exception | None = None
+        # See [Note: Dynamo's tracing cycles] and, in _torch_interop.py,
+        # [Note: Warnings while Dynamo traces].
+        with (
+            _collecting_tracing_cycles(),
+            warnings_ignored_while_dynamo_compiles(),
+            _backward_inductor_options(),
+        ):
+            # Caught inside: an exception leaving a @contextmanager gets its
+            # __traceback__ set through setattr, which a user's exception
+            # class may refuse (the AttributeError would replace it).
+            try:
                 outputs = compiled(inputs, sizes, scalars, hooks)
+            except Exception as e:  # noqa: BLE001 - judged below, outside the contexts
+                failed = e
+        try:
+            if failed is not None:
+                raise failed
             self._check_outputs(outputs, num_outputs)
         except Exception as e:
             if raised_by_user_code(e):  # see [Note: User errors are tagged] in _graph_ops.py

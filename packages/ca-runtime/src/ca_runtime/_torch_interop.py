@@ -17,6 +17,8 @@ Used through this module:
      this type. ``call_backward`` below replaces torch's helper of that name;
      see [Note: ctx writes in a backward]. Registered as a virtual subclass
      of ``torch.autograd.graph.Node``; see [Note: The ctx a backward sees is a Node].
+     Its ``__delattr__``, ``__hash__`` and ``__eq__`` are set to act on the
+     real ctx; see [Note: The ctx a backward sees is the real one to the user].
   4. ``torch._dynamo.trace_rules.lookup`` and ``SkipFunctionVariable``:
      whether Dynamo would inline a hook (``dynamo_skips``).
   5. ``torch._dynamo.utils.set_locals_to_steal``: lets Dynamo take over the
@@ -49,6 +51,9 @@ Used through this module:
      ``eval_frame.remove_from_cache``, ``CheckFunctionManager.invalidate``
      finalizers in ``weakref.finalize._registry`` and ``pgo._CODE_STATE``;
      see [Note: What Dynamo keeps of a dropped graph].
+  14. ``torch._dynamo.variables.builtin.SetAttrBuiltinVariable.call_function``:
+     wrapped so that a traced ``setattr(...)`` is None; see [Note: setattr is
+     None in a trace].
 Used in place, because they are what the module is about:
   6. AOTAutograd's ``CompiledFunction`` internals in _aot.py (``_aot_id``,
      ``_bw_prologue_fn``, ``metadata``, ``maybe_subclass_metadata``,
@@ -172,6 +177,66 @@ _FAKE_OWN_ATTRIBUTES = ("real", "saved_tensors")
 torch.autograd.graph.Node.register(FakeBackwardCFunction)
 
 
+# [Note: The ctx a backward sees is the real one to the user]
+# Beyond reads (FakeBackwardCFunction reads through to the real ctx) and
+# writes (above), eager code uses its ctx two more ways in a backward:
+# ``del ctx.attr`` of what forward set, and the ctx as a key a forward stored
+# (a WeakKeyDictionary filled in forward). The fake deletes such attributes
+# from the real ctx, and hashes and compares as the real ctx. Set on torch's
+# class, which only compiled autograd uses: torch's own compiled autograd gets
+# eager's answer there too, instead of AttributeError and KeyError.
+def _ctx_delattr(self: Any, name: str) -> None:
+    if name in self.__dict__:
+        object.__delattr__(self, name)
+    else:
+        delattr(self.real, name)
+
+
+def _ctx_hash(self: Any) -> int:
+    return hash(self.real)
+
+
+def _ctx_eq(self: Any, other: object) -> bool:
+    return (
+        other is self
+        or other is self.real
+        or (isinstance(other, FakeBackwardCFunction) and other.real is self.real)
+    )
+
+
+FakeBackwardCFunction.__delattr__ = _ctx_delattr  # type: ignore[method-assign]
+FakeBackwardCFunction.__hash__ = _ctx_hash  # type: ignore[method-assign]
+FakeBackwardCFunction.__eq__ = _ctx_eq  # type: ignore[method-assign]
+
+
+# [Note: setattr is None in a trace]
+# Python's setattr() returns None, but Dynamo's traced setattr on a tensor
+# (torch 2.13, SetAttrBuiltinVariable) returns the value set. A hook written
+# ``lambda grad_inputs, grad_outputs: setattr(p, "grad", ...)`` then returns a
+# tensor in the graph and None in eager, and the graph's check of hook results
+# raised eager's "expected tuple" TypeError for a hook eager accepts. The
+# wrapper gives the traced call Python's result; what the call records (the
+# side effect on the object) is unchanged.
+def _setattr_returns_none() -> None:
+    from torch._dynamo.variables.builtin import SetAttrBuiltinVariable
+    from torch._dynamo.variables.constant import ConstantVariable
+
+    traced = SetAttrBuiltinVariable.call_function
+    if getattr(traced, "_ca_returns_none", False):
+        return
+
+    @functools.wraps(traced)
+    def call_function(self: Any, tx: Any, args: Any, kwargs: Any) -> Any:
+        traced(self, tx, args, kwargs)
+        return ConstantVariable.create(None)
+
+    call_function._ca_returns_none = True  # type: ignore[attr-defined]
+    SetAttrBuiltinVariable.call_function = call_function  # type: ignore[method-assign]
+
+
+_setattr_returns_none()
+
+
 def call_backward(
     ctx: torch.autograd.function.BackwardCFunction, saved_tensors: list[torch.Tensor | None], *grads: Any
 ) -> tuple[Any, ...]:
@@ -179,10 +244,13 @@ def call_backward(
     fake = FakeBackwardCFunction(ctx, saved_tensors)  # type: ignore[arg-type]
     # A Function defining vjp (backward's alias) is not called here: it runs
     # behind a graph break (_capture.py's _defines_vjp).
-    result = fake._forward_cls.backward(fake, *grads)
-    for name, value in fake.__dict__.items():
-        if name not in _FAKE_OWN_ATTRIBUTES:
-            setattr(ctx, name, value)
+    try:
+        result = fake._forward_cls.backward(fake, *grads)
+    finally:
+        # What it wrote before raising stays written, as in eager.
+        for name, value in fake.__dict__.items():
+            if name not in _FAKE_OWN_ATTRIBUTES:
+                setattr(ctx, name, value)
     return result if isinstance(result, tuple) else (result,)
 
 
