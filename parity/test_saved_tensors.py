@@ -176,3 +176,17 @@ def test_double_backward_through_saved_tensor_hooks_that_copy() -> None:
         (g,) = torch.autograd.grad(y, x, create_graph=True)
         g.sum().backward()
         assert torch.equal(x.grad, torch.full((3,), 6.0))
+
+
+def test_a_hook_reads_another_nodes_saved_tensor_before_that_node_runs() -> None:
+    """Eager frees a node's saved tensors once the node has run: a hook on a later tensor may read them."""
+    x = torch.tensor([1.0, 2.0, 3.0], requires_grad=True)
+    for _ in range(3):  # the same graph again: a cache hit when wrapped
+        x.grad = None
+        h = x.sin()
+        z = h * 3.0
+        seen: list[float] = []
+        z.register_hook(lambda g, h=h, seen=seen: seen.append(h.grad_fn._saved_self.sum().item()))
+        z.sum().backward()
+        assert seen == [6.0]
+        assert torch.allclose(x.grad, 3.0 * x.detach().cos())

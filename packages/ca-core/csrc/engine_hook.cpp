@@ -896,12 +896,54 @@ bool lifts_only_cpu_tensors(const BackwardState& state) {
   return true;
 }
 
+/*
+[Note: The running graph's hooks]
+A graph's `hooks` input reaches Dynamo as Python objects, which a custom op
+in the graph cannot take as arguments. ca_runtime's in-graph checkpoint
+recompute (see [Note: Checkpoint regions in the graph] in ca_runtime) is such
+an op: it gets hook and packed-data indices, and reads the objects from the
+list of the graph running on this thread through running_graph_hook(). The
+list is set for the call of the graph and restored after it (a backward
+inside a hook runs its own graph), so it is only ever the innermost graph's.
+It is set during the capture too, whose checks may read the hooks (see
+[Note: Hooks that read saved tensors] in ca_runtime).
+*/
+
+/// The `hooks` input of the graph running on this thread, or null.
+PyObject*& running_graph_hooks() {
+  thread_local PyObject* hooks = nullptr;
+  return hooks;
+}
+
+/// Makes `hooks` the running graph's for its scope; see
+/// [Note: The running graph's hooks].
+class RunningHooksGuard {
+ public:
+  explicit RunningHooksGuard(nb::object hooks)
+      : hooks_(std::move(hooks)), prior_(std::exchange(running_graph_hooks(), hooks_.ptr())) {}
+  ~RunningHooksGuard() {
+    running_graph_hooks() = prior_;
+  }
+  RunningHooksGuard(const RunningHooksGuard&) = delete;
+  RunningHooksGuard& operator=(const RunningHooksGuard&) = delete;
+
+ private:
+  /// The list, alive while it is the running graph's.
+  nb::object hooks_;
+  /// The enclosing graph's list (a backward run by a hook), or null.
+  PyObject* prior_;
+};
+
 /// Step 3: captures the backward into its entry; false if the capture failed.
 bool capture(BackwardRun& run) {
   BackwardState& state = *run.state;
   choose_dynamic(*run.entry, run.args.size_values, state);
   nb::object description = describe_backward(state, run.entry->id);
-  auto captured = unpack_capture(run.runtime.attr("capture")(description));
+  std::optional<Captured> captured;
+  {
+    RunningHooksGuard running_hooks(run.args.hooks);
+    captured = unpack_capture(run.runtime.attr("capture")(description));
+  }
   if (!captured) {
     return false;
   }
@@ -961,42 +1003,6 @@ void untag_user_error() {
   }
   PyErr_Restore(type, value, traceback);
 }
-
-/*
-[Note: The running graph's hooks]
-A graph's `hooks` input reaches Dynamo as Python objects, which a custom op
-in the graph cannot take as arguments. ca_runtime's in-graph checkpoint
-recompute (see [Note: Checkpoint regions in the graph] in ca_runtime) is such
-an op: it gets hook and packed-data indices, and reads the objects from the
-list of the graph running on this thread through running_graph_hook(). The
-list is set for the call of the graph and restored after it (a backward
-inside a hook runs its own graph), so it is only ever the innermost graph's.
-*/
-
-/// The `hooks` input of the graph running on this thread, or null.
-PyObject*& running_graph_hooks() {
-  thread_local PyObject* hooks = nullptr;
-  return hooks;
-}
-
-/// Makes `hooks` the running graph's for its scope; see
-/// [Note: The running graph's hooks].
-class RunningHooksGuard {
- public:
-  explicit RunningHooksGuard(nb::object hooks)
-      : hooks_(std::move(hooks)), prior_(std::exchange(running_graph_hooks(), hooks_.ptr())) {}
-  ~RunningHooksGuard() {
-    running_graph_hooks() = prior_;
-  }
-  RunningHooksGuard(const RunningHooksGuard&) = delete;
-  RunningHooksGuard& operator=(const RunningHooksGuard&) = delete;
-
- private:
-  /// The list, alive while it is the running graph's.
-  nb::object hooks_;
-  /// The enclosing graph's list (a backward run by a hook), or null.
-  PyObject* prior_;
-};
 
 /// Step 4: calls the graph into `result`. Returns the outputs when its first
 /// run failed and the backward ran eagerly instead.

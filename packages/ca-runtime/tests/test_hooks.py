@@ -496,6 +496,25 @@ def test_a_users_exception_propagates_as_in_eager_and_runs_its_code_once(
     assert result.stats["captures"] >= 1 and result.stats["cache_hits"] >= 1
 
 
+def test_a_hook_reads_another_nodes_saved_tensor_before_that_node_runs(backend: str) -> None:
+    """See [Note: Hooks that read saved tensors]: on cache hits too, as in eager."""
+    x = torch.tensor([1.0, 2.0, 3.0], requires_grad=True)
+
+    def step(i: int) -> list[float]:
+        x.grad = None
+        h = x.sin()  # SinBackward0 saves x as _saved_self
+        z = h * 3.0
+        seen: list[float] = []
+        z.register_hook(lambda g: seen.append(h.grad_fn._saved_self.sum().item()))
+        z.sum().backward()
+        return seen
+
+    result = compare(step, backend, tensors=[x], steps=3)
+    result.assert_ok()
+    assert result.stats["captures"] == 1 and result.stats["cache_hits"] == 2
+    assert result.stats["eager_fallbacks"] == 0
+
+
 class _FrozenError(Exception):
     """A user's exception class that refuses attribute writes."""
 

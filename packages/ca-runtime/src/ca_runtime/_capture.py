@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import operator
 import re
+import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -97,6 +98,9 @@ class Capture:
     handlings: dict[int, Handling] = field(default_factory=dict)
     #: Walk index of each node with grad_fn pre or post hooks.
     hooked: frozenset[int] = frozenset()
+    #: A user callable of the graph names a node's saved tensors
+    #: (``grad_fn._saved_self``); see [Note: Hooks that read saved tensors].
+    hooks_read_saved: bool = False
 
     def free_early(self) -> list[int]:
         """Nodes whose saved tensors ca_core may drop before the graph runs on a hit.
@@ -106,11 +110,44 @@ class Capture:
         with grad_fn hooks: eager runs them while the node still holds its
         saved tensors, and a hook may read them (``grad_fn._saved_self``).
         """
+        if self.hooks_read_saved:
+            return []
         return sorted(
             i
             for i, h in self.handlings.items()
             if h in (Handling.TRACE, Handling.AOT) and i not in self.hooked
         )
+
+
+# [Note: Hooks that read saved tensors]
+# A hook may read another node's saved tensors before that node runs
+# (``h.grad_fn._saved_self`` in a hook on a later tensor): eager frees a node's
+# saved tensors only once the node has run, so the read works. On a cache hit
+# ca_core frees the saved tensors of the nodes the graph traces before the
+# graph runs (see [Note: Saved tensors freed early] in ca_core), and such a
+# read would raise "Trying to backward through the graph a second time". So
+# when any callable of the graph names a saved-tensor attribute of a node
+# (``_saved_*``, ``_raw_saved_*``) in its code or in the code of functions
+# nested in it, nothing is freed early for that graph: its saved tensors live
+# until the graph ends (memory, not results). A read through a helper defined
+# elsewhere or ``getattr`` with a computed name is not seen.
+_SAVED_ATTRIBUTE_PREFIXES = ("_saved_", "_raw_saved_")
+
+
+def _names_saved_tensors(obj: object) -> bool:
+    """Whether ``obj`` (a hook, a partial of one, a bound method) names a node's saved tensors in its code."""
+    obj = getattr(obj, "func", obj)  # functools.partial
+    obj = getattr(obj, "__func__", obj)  # a bound method
+    code = getattr(obj, "__code__", None)
+    if code is None and callable(obj):
+        code = getattr(type(obj).__call__, "__code__", None)  # an object with __call__
+    pending = [code] if isinstance(code, types.CodeType) else []
+    while pending:
+        code = pending.pop()
+        if any(name.startswith(_SAVED_ATTRIBUTE_PREFIXES) for name in code.co_names):
+            return True
+        pending.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
+    return False
 
 
 #: Calls that run user code or mutate state: kept even when their result is unused.
@@ -360,8 +397,32 @@ class _GraphBuilder:
         handlings = {index: handling for index, (handling, _) in self._handlings.items()}
         hooked = frozenset(n.index for n in self.nodes if n.num_grad_fn_pre_hooks or n.num_grad_fn_post_hooks)
         return Capture(
-            graph_module, self.leaf_outputs, self.leaf_hooks_only, self.graph_breaks, handlings, hooked
+            graph_module,
+            self.leaf_outputs,
+            self.leaf_hooks_only,
+            self.graph_breaks,
+            handlings,
+            hooked,
+            any(_names_saved_tensors(self._hook_object(i)) for i in self._user_hook_indices()),
         )
+
+    @staticmethod
+    def _hook_object(i: int) -> object:
+        """Collected Python object ``i`` of the backward being captured (None outside one)."""
+        try:
+            return ca_core.running_graph_hook(i)
+        except (ValueError, IndexError):
+            return None
+
+    def _user_hook_indices(self) -> set[int]:
+        """Indices in the graph's ``hooks`` of every hook function the walk collected (no ctx, no packed data)."""
+        found: set[int] = set()
+        for node in self.nodes:
+            found.update(hook.hook for hook in node.tensor_pre_hooks)
+            found.update(node.pre_hooks)
+            found.update(node.post_hooks)
+            found.update(node.post_acc_grad_hooks)
+        return found
 
     def _visit(self, node: ca_core.NodeInfo) -> None:
         buffer = self._buffers.pop(node.index, None) or [None] * node.num_inputs
