@@ -90,11 +90,19 @@ def test_no_node_run_plan_or_graph_source_outlives_reset(backend: str) -> None:
 
 
 def test_no_dynamo_guard_set_or_cache_entry_outlives_reset(backend: str) -> None:
-    """See [Note: What Dynamo keeps of a dropped graph]: the graphs' guard managers and cache entries go with reset()."""
+    """See [Note: What Dynamo keeps of a dropped graph]: the graphs' guard managers and cache entries go with reset().
+
+    So do the ShapeEnvs of their compiles ([Note: Fakes a finished compile
+    still tracks]), torch.compile's backend wrappers and the sources of the
+    graph modules Dynamo made on the first runs.
+    """
     import gc
 
     from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+    from torch._dynamo.eval_frame import cached_backends
     from torch._dynamo.guards import CheckFunctionManager
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    from torch.fx.graph_module import _loader
 
     x = torch.randn(8, requires_grad=True)
     codes = []
@@ -107,9 +115,19 @@ def test_no_dynamo_guard_set_or_cache_entry_outlives_reset(backend: str) -> None
         gc.collect()
         return sum(type(o) is CheckFunctionManager for o in gc.get_objects())
 
+    def shape_envs() -> int:
+        gc.collect()
+        return sum(type(o) is ShapeEnv for o in gc.get_objects())
+
+    def backends() -> int:
+        return sum(b is not None for b in cached_backends.values())
+
     ca_runtime.reset()
     before = managers()
-    for _ in range(4):
+    envs = backends_before = sources = -1
+    for i in range(4):
+        if i == 1:  # after one capture: what torch makes once per process is there
+            envs, backends_before, sources = shape_envs(), backends(), len(_loader.eval_cache)
         with ca_runtime.enable(compiler):
             y = x
             for _ in range(10):
@@ -121,6 +139,9 @@ def test_no_dynamo_guard_set_or_cache_entry_outlives_reset(backend: str) -> None
         ca_runtime.reset()
         assert not _debug_get_cache_entry_list(codes[-1])
     assert managers() == before
+    assert shape_envs() == envs
+    assert backends() == backends_before
+    assert len(_loader.eval_cache) == sources
 
 
 def test_a_fallback_is_reported_to_the_backwards_own_runtime_after_enable_exits() -> None:

@@ -219,3 +219,30 @@ def test_14_a_traced_setattr_is_none() -> None:
     result, _ = torch.compile(fn, backend="eager", fullgraph=True)(torch.ones(2))
     assert result is None
     assert torch.equal(t.grad, torch.full((2,), 2.0))
+
+
+def test_15_tracked_fakes_of_a_finished_compile_are_cleared() -> None:
+    """See [Note: Fakes a finished compile still tracks]: only ShapeEnvs, only when no compile holds the lock."""
+    import threading
+
+    from torch._dynamo.convert_frame import compile_lock
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    env, other = ShapeEnv(tracked_fakes=[]), [object()]
+    env.tracked_fakes.append(object())  # type: ignore[union-attr]
+    held, release = threading.Event(), threading.Event()
+
+    def compiling() -> None:
+        with compile_lock:
+            held.set()
+            release.wait()
+
+    thread = threading.Thread(target=compiling)
+    thread.start()
+    held.wait()
+    _torch_interop.clear_finished_tracked_fakes([env, other])
+    assert env.tracked_fakes and other  # another thread's compile is under way
+    release.set()
+    thread.join()
+    _torch_interop.clear_finished_tracked_fakes([env, other])
+    assert env.tracked_fakes == [] and other

@@ -74,6 +74,7 @@ from ca_runtime._state import STATE
 from ca_runtime._torch_interop import (
     FakeBackwardCFunction,
     call_backward,
+    clear_finished_tracked_fakes,
     forget_sources_with,
     release_dynamo_state_with,
     set_locals_to_steal,
@@ -159,7 +160,8 @@ def _compiled_form(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 # be far away. A full gc.collect() costs ~0.2 s in a process with torch loaded,
 # so the first run instead freezes every object that exists before it
 # (gc.freeze moves them to the permanent generation, O(1)), collects what the
-# run created (milliseconds), and unfreezes. A program that freezes objects
+# run created (milliseconds; with the ShapeEnvs of its finished compiles let
+# go of their fakes first), and unfreezes. A program that freezes objects
 # itself (gc.get_freeze_count() > 0) or has turned gc off is left alone.
 @contextlib.contextmanager
 def _collecting_tracing_cycles() -> Iterator[None]:
@@ -171,6 +173,8 @@ def _collecting_tracing_cycles() -> Iterator[None]:
         yield
     finally:
         try:
+            # See [Note: Fakes a finished compile still tracks] in _torch_interop.py.
+            clear_finished_tracked_fakes(gc.get_objects())
             gc.collect()
         finally:
             gc.unfreeze()
@@ -303,9 +307,9 @@ class Runtime:
             self._fallback("compiler_fn", reason, record)
             return None
         # See [Note: Calling Dynamo's cached code directly] in _dynamo_direct.py.
-        compiled = wrap_if_dynamo_module(compiled, form)
+        returned, compiled = compiled, wrap_if_dynamo_module(compiled, form)
         # See [Note: What Dynamo keeps of a dropped graph] in _torch_interop.py.
-        release_dynamo_state_with(compiled, type(form).forward.__code__)
+        release_dynamo_state_with(compiled, type(form).forward.__code__, returned)
         records.capture_compiled(record, time.perf_counter() - start)
         self._records.pending = record
         self._records.num_outputs = graph.num_outputs + len(captured.leaf_outputs)
@@ -359,6 +363,7 @@ class Runtime:
             _collecting_tracing_cycles(),
             warnings_ignored_while_dynamo_compiles(),
             _backward_inductor_options(),
+            sources_made() as sources,  # Dynamo's graphs, made by a lazy compiler now
         ):
             # Caught inside: an exception leaving a @contextmanager gets its
             # __traceback__ set through setattr, which a user's exception
@@ -367,6 +372,7 @@ class Runtime:
                 outputs = compiled(inputs, sizes, scalars, hooks)
             except Exception as e:  # noqa: BLE001 - judged below, outside the contexts
                 failed = e
+        forget_sources_with(compiled, sources)  # see [Note: Sources of our graphs] in _torch_interop.py
         try:
             if failed is not None:
                 raise failed

@@ -49,11 +49,16 @@ Used through this module:
      see _log.py.
   13. Dynamo's per-code state: ``_debug_get_cache_entry_list``,
      ``eval_frame.remove_from_cache``, ``CheckFunctionManager.invalidate``
-     finalizers in ``weakref.finalize._registry`` and ``pgo._CODE_STATE``;
-     see [Note: What Dynamo keeps of a dropped graph].
+     finalizers in ``weakref.finalize._registry``, ``pgo._CODE_STATE``,
+     ``bytecode_transformation._cached_cleaned_instructions`` and
+     ``eval_frame.cached_backends``; see [Note: What Dynamo keeps of a
+     dropped graph].
   14. ``torch._dynamo.variables.builtin.SetAttrBuiltinVariable.call_function``:
      wrapped so that a traced ``setattr(...)`` is None; see [Note: setattr is
      None in a trace].
+  15. ``ShapeEnv.tracked_fakes`` and ``torch._dynamo.convert_frame.compile_lock``:
+     cleared once a first run's compiles are done; see [Note: Fakes a
+     finished compile still tracks].
 Used in place, because they are what the module is about:
   6. AOTAutograd's ``CompiledFunction`` internals in _aot.py (``_aot_id``,
      ``_bw_prologue_fn``, ``metadata``, ``maybe_subclass_metadata``,
@@ -97,6 +102,7 @@ __all__ = [
     "checkpoint_frame",
     "checkpoint_saved_index",
     "checkpoint_saved_metadata",
+    "clear_finished_tracked_fakes",
     "dynamo_context_backend",
     "dynamo_skips",
     "forget_sources_with",
@@ -379,6 +385,11 @@ def checkpoint_saved_metadata(hook: Any, cell: int, index: int) -> dict[str, Any
 # builds and compiles (sources_made) and drops them when the graph module the
 # compiled callable runs dies (forget_sources_with): a dict pop each, safe
 # from a finalizer. Only tracebacks through a dead graph read those sources.
+# A lazy compiler (torch.compile) makes Dynamo's graph modules during the
+# graph's first run: those keys are noted there and dropped with the
+# compiled callable (with them, those of any FX module another thread or a
+# hook's own torch.compile made in that window: their tracebacks show no
+# source line then).
 
 
 @contextlib.contextmanager
@@ -405,7 +416,8 @@ def _forget_sources(keys: list[str]) -> None:
 def forget_sources_with(owner: object, keys: list[str]) -> None:
     """9. Drops ``keys`` from FX's eval cache and linecache when ``owner`` dies."""
     if keys:
-        weakref.finalize(owner, _forget_sources, keys).atexit = False
+        with contextlib.suppress(TypeError):  # not weakly referenceable: they stay
+            weakref.finalize(owner, _forget_sources, keys).atexit = False
 
 
 # [Note: What Dynamo keeps of a dropped graph]
@@ -444,8 +456,8 @@ def _guard_finalizers(managers: list[Any]) -> list[weakref.finalize]:
     return found
 
 
-def release_dynamo_state(code: types.CodeType) -> None:
-    """13. Frees what Dynamo keeps for ``code``; see [Note: What Dynamo keeps of a dropped graph].
+def release_dynamo_state(code: types.CodeType, wrapper: object | None = None) -> None:
+    """13. Frees what Dynamo keeps for ``code`` (and ``wrapper``); see [Note: What Dynamo keeps of a dropped graph].
 
     Run from a finalizer, at any allocation: best effort, it never raises
     (what it cannot free stays as it was).
@@ -453,6 +465,10 @@ def release_dynamo_state(code: types.CodeType) -> None:
     # A finalizer must not raise; nothing is lost but memory.
     with contextlib.suppress(Exception):
         _release_dynamo_state(code)
+    if wrapper is not None:
+        cached = torch._dynamo.eval_frame.cached_backends
+        if cached.get(id(wrapper)) is wrapper:
+            cached.pop(id(wrapper), None)
 
 
 def _release_dynamo_state(code: types.CodeType) -> None:
@@ -466,12 +482,59 @@ def _release_dynamo_state(code: types.CodeType) -> None:
     pgo = torch._dynamo.pgo
     if pgo._CODE_STATE is not None:
         pgo._CODE_STATE.pop(pgo.CodeId.make(code), None)
+    # An lru_cache of 128 codes: no single entry can go, and what the others
+    # lose is recomputed at their next compile (a fraction of a Dynamo trace).
+    torch._dynamo.bytecode_transformation._cached_cleaned_instructions.cache_clear()
 
 
-def release_dynamo_state_with(owner: object, code: types.CodeType) -> None:
-    """13. ``release_dynamo_state(code)`` when ``owner`` (the compiled callable ca_core holds) dies."""
+# [Note: Fakes a finished compile still tracks]
+# Each Dynamo compile makes a ShapeEnv whose ``tracked_fakes`` lists the fake
+# tensors it made for the graph's inputs; Dynamo reads it once, to build the
+# guards, and keeps it (torch only clears it when a compile fails). Fakes of
+# tensors that require grad carry an autograd graph that leads back to the
+# fake mode, and so to the ShapeEnv: a cycle through C++ that gc cannot see,
+# about 1.5 MB a capture with backend "eager" that nothing ever frees (a
+# plain torch.compile of a function whose inputs are non-leaves that require
+# grad keeps one too). After a captured graph's first run, the ShapeEnvs that
+# run made are done with it (their compiles returned), so their lists are
+# cleared and the collection that follows frees them. Only when no compile is
+# under way anywhere (Dynamo's compile_lock is free: a background compile or
+# another thread's torch.compile may still read theirs) and only among the
+# objects the run made (see [Note: Dynamo's tracing cycles] in _runtime.py).
+def clear_finished_tracked_fakes(objects: list[Any]) -> None:
+    """15. Clears ``tracked_fakes`` of the ShapeEnvs among ``objects``; see [Note: Fakes a finished compile still tracks]."""
+    from torch._dynamo.convert_frame import compile_lock
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    if not compile_lock.acquire(blocking=False):
+        return
+    try:
+        for obj in objects:
+            if type(obj) is ShapeEnv and obj.tracked_fakes:
+                obj.tracked_fakes.clear()
+    finally:
+        compile_lock.release()
+
+
+def release_dynamo_state_with(owner: object, code: types.CodeType, compiled: object) -> None:
+    """13. ``release_dynamo_state(code)`` when ``owner`` (the compiled callable ca_core holds) dies.
+
+    When ``compiled`` (what the compiler_fn returned) is a ``torch.compile``
+    result, its backend wrapper (made anew by each call) stays in
+    ``eval_frame.cached_backends`` until ``torch._dynamo.reset()``; it is
+    dropped with the rest.
+    """
+    wrapper = _compile_wrapper_of(compiled)
     with contextlib.suppress(TypeError):  # not weakly referenceable: nothing to hook
-        weakref.finalize(owner, release_dynamo_state, code).atexit = False
+        weakref.finalize(owner, release_dynamo_state, code, wrapper).atexit = False
+
+
+def _compile_wrapper_of(compiled: object) -> object | None:
+    """The backend wrapper ``torch.compile`` made for ``compiled`` (one per call), if it is one."""
+    found = dynamo_context_backend(getattr(compiled, "dynamo_ctx", compiled))  # an OptimizedModule's context
+    wrapper = found[0] if found else None
+    wrapper_types = (torch._TorchCompileWrapper, torch._TorchCompileInductorWrapper)
+    return wrapper if isinstance(wrapper, wrapper_types) else None
 
 
 def dynamo_context_backend(obj: object) -> tuple[object, object] | None:
