@@ -418,7 +418,8 @@ class _GraphBuilder:
         """Indices in the graph's ``hooks`` of every hook function the walk collected (no ctx, no packed data)."""
         found: set[int] = set()
         for node in self.nodes:
-            found.update(hook.hook for hook in node.tensor_pre_hooks)
+            # A C++ or opaque hook's index is its node's own, not one of `hooks`.
+            found.update(h.hook for h in node.tensor_pre_hooks if h.kind == ca_core.TensorPreHookKind.python)
             found.update(node.pre_hooks)
             found.update(node.post_hooks)
             found.update(node.post_acc_grad_hooks)
