@@ -156,6 +156,24 @@ def test_unpack_hook_after_the_graph_was_freed_is_not_called() -> None:
     assert unpacked == ["unpack"]
 
 
+def test_unpack_hooks_and_their_closures_are_freed_after_the_backward() -> None:
+    """Eager frees a saved tensor's unpack hook with it. Twice: a wrapped run checks the capture and a hit."""
+    for _ in range(2):
+        marker = _Marker()
+        marker_ref = weakref.ref(marker)
+        x = _leaf(1.0, 2.0)
+
+        def unpack(t: torch.Tensor, held: _Marker = marker) -> torch.Tensor:
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t * 1, unpack):
+            out = Cube.apply(x.sin()).sum()
+        del marker, unpack
+        assert marker_ref() is not None  # held with the saved tensor until the backward frees it
+        out.backward()
+        assert marker_ref() is None, "the unpack hook's closure outlives the backward"
+
+
 def test_a_custom_function_inside_a_non_reentrant_checkpoint() -> None:
     """Its saved tensors are checkpoint's: unpacked once per backward, recomputed each time."""
     from torch.utils.checkpoint import checkpoint

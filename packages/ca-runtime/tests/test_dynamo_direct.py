@@ -324,3 +324,93 @@ def test_a_profiled_direct_hit_keeps_dynamos_region(backend: str) -> None:
             step(1)
     assert direct_calls() - start == 1
     assert any(e.name.startswith("Torch-Compiled Region: ") for e in prof.events())
+
+
+def _breakable(backend: str) -> tuple[Callable[[torch.fx.GraphModule], Any], list[bool], list[int]]:
+    """A compiler whose Dynamo backend is ``backend`` until ``broken[0]`` is set, then raises; and its compile count."""
+    broken, compiles = [False], [0]
+
+    def breakable(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        compiles[0] += 1
+        if broken[0]:
+            raise RuntimeError("backend broke")
+        return torch._dynamo.lookup_backend(backend)(gm, example_inputs)
+
+    return (lambda gm: torch.compile(gm, backend=breakable)), broken, compiles
+
+
+def test_a_recompile_that_fails_on_a_hit_runs_the_graph_uncompiled(
+    backend: str, recwarn: pytest.WarningsRecorder
+) -> None:
+    """See [Note: A recompile that fails on a hit]: eager's grads and hook calls, one warning, no second attempt.
+
+    The hook's closure value changes at step 2: Dynamo's guard on it fails and
+    the recompile fails. Steps 2 and 3 run the graph uncompiled (step 3 too:
+    only the first entry exists, and its guard still fails).
+    """
+    x = torch.randn(4, requires_grad=True)
+    compiler, broken, compiles = _breakable(backend)
+
+    def step(i: int) -> list[Any]:
+        calls: list[float] = []
+        factor = 2.0 if i < 2 else 5.0
+        broken[0] = i >= 2
+        x.grad = None
+        y = (x * 3).sin()
+
+        def hook(grad: torch.Tensor) -> torch.Tensor:
+            calls.append(factor)
+            return grad * factor
+
+        y.register_hook(hook)
+        y.sum().backward()
+        return [calls, x.grad.clone()]
+
+    result = compare(step, compiler, tensors=[x], steps=4)
+    result.assert_ok()
+    stats = result.stats
+    assert stats["captures"] == 1 and stats["cache_hits"] == 3 and stats["eager_fallbacks"] == 0, stats
+    assert stats["uncompiled_runs"] == 2, stats
+    assert compiles == [2]  # the first compile and the one failed recompile
+    warned = [w for w in recwarn if "recompiling a cached backward graph failed" in str(w.message)]
+    assert len(warned) == 1 and "backend broke" in str(warned[0].message)
+    assert warned[0].filename == __file__  # the user's backward() line
+
+
+def test_a_recompile_that_fails_after_part_of_the_graph_ran_is_raised(
+    backend: str, cpp_ext: types.ModuleType
+) -> None:
+    """Behind a Dynamo graph break (an untraceable C++ Function) the resume code recompiles after a hook ran: raised, not run twice."""
+    x = torch.randn(3, 4, requires_grad=True)
+    w = torch.randn(4, requires_grad=True)
+    compiler, broken, _ = _breakable(backend)
+    calls: list[str] = []
+    factor = [2.0]
+
+    def before_break(grad: torch.Tensor) -> torch.Tensor:
+        calls.append("before")
+        return grad
+
+    def after_break(grad: torch.Tensor) -> torch.Tensor:
+        calls.append("after")
+        return grad * factor[0]  # Dynamo guards on it in the resume code only
+
+    with ca_runtime.enable(compiler):
+        for i in range(3):
+            factor[0] = 2.0 if i < 2 else 5.0
+            broken[0] = i >= 2
+            x.grad = w.grad = None
+            scaled = w * 1.0
+            scaled.register_hook(after_break)
+            out = cpp_ext.scaled_mul(x, scaled, 0.5, False)
+            out.register_hook(before_break)
+            calls.clear()
+            if i < 2:
+                out.pow(2).sum().backward()
+                assert calls == ["before", "after"]
+            else:
+                with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="backend broke"):
+                    out.pow(2).sum().backward()
+                assert calls == ["before"]
+    stats = ca_runtime.stats()
+    assert stats["captures"] == 1 and stats["graph_breaks"] > 0 and stats["uncompiled_runs"] == 0, stats

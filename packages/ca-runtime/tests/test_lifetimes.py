@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import types
+import weakref
 from pathlib import Path
 
 import ca_core
@@ -93,22 +95,24 @@ def test_no_dynamo_guard_set_or_cache_entry_outlives_reset(backend: str) -> None
     """See [Note: What Dynamo keeps of a dropped graph]: the graphs' guard managers and cache entries go with reset().
 
     So do the ShapeEnvs of their compiles ([Note: Fakes a finished compile
-    still tracks]), torch.compile's backend wrappers and the sources of the
-    graph modules Dynamo made on the first runs.
+    still tracks]), torch.compile's backend wrappers, the sources of the
+    graph modules Dynamo made on the first runs, the graphs' code objects and
+    the stacks Dynamo's metrics recorded ([Note: Stacks Dynamo's metrics keep]).
     """
     import gc
 
     from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
     from torch._dynamo.eval_frame import cached_backends
     from torch._dynamo.guards import CheckFunctionManager
+    from torch._dynamo.utils import get_metrics_context
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
     from torch.fx.graph_module import _loader
 
     x = torch.randn(8, requires_grad=True)
-    codes = []
+    codes: list[weakref.ref[types.CodeType]] = []
 
     def compiler(gm: torch.fx.GraphModule) -> object:
-        codes.append(type(gm).forward.__code__)
+        codes.append(weakref.ref(type(gm).forward.__code__))
         return torch.compile(gm, backend=backend)
 
     def managers() -> int:
@@ -124,10 +128,11 @@ def test_no_dynamo_guard_set_or_cache_entry_outlives_reset(backend: str) -> None
 
     ca_runtime.reset()
     before = managers()
-    envs = backends_before = sources = -1
+    envs = backends_before = sources = stacks = -1
     for i in range(4):
         if i == 1:  # after one capture: what torch makes once per process is there
             envs, backends_before, sources = shape_envs(), backends(), len(_loader.eval_cache)
+            stacks = len(get_metrics_context()._edits)
         with ca_runtime.enable(compiler):
             y = x
             for _ in range(10):
@@ -135,13 +140,17 @@ def test_no_dynamo_guard_set_or_cache_entry_outlives_reset(backend: str) -> None
             y.sum().backward()
             assert ca_runtime.stats()["captures"] == 1
         assert managers() > before  # the capture compiled in Dynamo
-        assert _debug_get_cache_entry_list(codes[-1])
+        code = codes[-1]()
+        assert code is not None and _debug_get_cache_entry_list(code)
         ca_runtime.reset()
-        assert not _debug_get_cache_entry_list(codes[-1])
+        assert not _debug_get_cache_entry_list(code)
+        del code
     assert managers() == before
     assert shape_envs() == envs
     assert backends() == backends_before
     assert len(_loader.eval_cache) == sources
+    assert len(get_metrics_context()._edits) == stacks
+    assert [ref() for ref in codes] == [None] * 4
 
 
 def test_a_fallback_is_reported_to_the_backwards_own_runtime_after_enable_exits() -> None:

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import inspect
 import warnings
+import weakref
 
+import pytest
 import torch
 from ca_runtime import _torch_interop
 
@@ -201,11 +203,19 @@ def test_13_dynamo_state_of_a_code_is_released() -> None:
     def fn(t: torch.Tensor) -> torch.Tensor:
         return t * 2
 
+    from torch._dynamo.convert_frame import input_codes
+    from torch._dynamo.guards import code_framelocals_names_reversed_cached
+
     compiled = torch.compile(fn, backend="eager")
     compiled(torch.ones(2))
     assert len(_debug_get_cache_entry_list(fn.__code__)) == 1
+    assert code_framelocals_names_reversed_cached.cache_info().currsize > 0
+    dead = weakref.ref(compile("0", "<dead>", "eval"))
+    input_codes.seen.append(dead)
     _torch_interop.release_dynamo_state(fn.__code__)
     assert _debug_get_cache_entry_list(fn.__code__) == []
+    assert code_framelocals_names_reversed_cached.cache_info().currsize == 0
+    assert dead not in input_codes.seen and fn.__code__ in input_codes  # live codes stay tracked
     assert torch.equal(compiled(torch.ones(2)), torch.full((2,), 2.0))  # compiles again
 
 
@@ -246,3 +256,44 @@ def test_15_tracked_fakes_of_a_finished_compile_are_cleared() -> None:
     thread.join()
     _torch_interop.clear_finished_tracked_fakes([env, other])
     assert env.tracked_fakes == [] and other
+
+
+def test_16_stacks_of_finished_compiles_are_dropped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """See [Note: Stacks Dynamo's metrics keep]: dropped when no compile is in progress on the thread, kept inside one."""
+    from torch._dynamo.utils import get_metrics_context
+
+    torch.compile(lambda t: t + 1, backend="eager")(torch.ones(2))
+    context = get_metrics_context()
+    assert context._edits  # torch keeps them after the compile
+    _torch_interop.forget_metric_stacks()
+    assert context._edits == []
+    monkeypatch.setattr(context, "_on_exit", lambda *args: None)  # this probe's metrics are not Dynamo's
+    with context:
+        context.set("ca_probe", 1)
+        _torch_interop.forget_metric_stacks()
+        assert len(context._edits) == 1
+    _torch_interop.forget_metric_stacks()
+    assert context._edits == []
+
+
+def test_17_the_frame_a_failed_compile_was_for() -> None:
+    """See [Note: A recompile that fails on a hit]: Dynamo's frame id of a code, and of the compile that failed."""
+
+    def fn(t: torch.Tensor) -> torch.Tensor:
+        return t * 2
+
+    def other(t: torch.Tensor) -> torch.Tensor:
+        return t * 3
+
+    def broken(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> None:
+        raise RuntimeError("no")
+
+    assert _torch_interop.compiled_frame_id(fn.__code__) is None
+    torch.compile(fn, backend="eager")(torch.ones(2))
+    torch.compile(other, backend="eager")(torch.ones(2))
+    frame = _torch_interop.compiled_frame_id(fn.__code__)
+    assert frame is not None and frame != _torch_interop.compiled_frame_id(other.__code__)
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as failed:
+        torch.compile(fn, backend=broken)(torch.ones(2))
+    assert _torch_interop.failed_compile_frame_id(failed.value) == frame
+    assert _torch_interop.failed_compile_frame_id(RuntimeError("not Dynamo's")) is None

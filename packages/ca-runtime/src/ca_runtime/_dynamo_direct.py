@@ -44,7 +44,28 @@ computation as Dynamo's:
   per-call enter hook but those that matter only to a compile
   (``_COMPILE_ONLY_HOOKS``).
 
-Anything else calls the ``OptimizedModule`` as before. While ``torch.profiler``
+Anything else calls the ``OptimizedModule`` as before; see [Note: A
+recompile that fails on a hit] for when that call's compile fails.
+
+[Note: A recompile that fails on a hit]
+On a cache hit Dynamo may recompile the graph (a guard failed: a hook's
+closure value changed, a size went dynamic). If that compile fails, the
+backward cannot go back to the eager engine as a failed first run does: the
+nodes' saved tensors were dropped before the graph ran (see [Note: Saved
+tensors freed early] in ca_core), and only the graph's ``inputs`` hold them.
+The GraphModule itself can still run them: it is the same computation, op by
+op, with the node calls eager makes. So when the call fails with an error
+that is not the user's (see [Note: User errors are tagged] in _graph_ops.py)
+while Dynamo compiled the graph's own frame (the error's compile id names
+that frame: its compile runs when the frame is entered, before any of the
+graph ran), the graph runs uncompiled, ``EagerFallbackWarning`` says why once
+per graph, and every later call whose guards no compiled entry passes runs
+uncompiled too instead of compiling again (each attempt is a whole Dynamo
+trace that would fail the same way). Such calls count in
+``stats()["uncompiled_runs"]``. A failure in another frame's compile (a
+resume function behind a Dynamo graph break, reached after part of the
+graph and its hooks ran), or one without a compile id, is raised as before:
+running the graph again would run those hooks twice. While ``torch.profiler``
 records, the direct call is wrapped in the "Torch-Compiled Region: <compile
 id>" range Dynamo puts around a hit; its "TorchDynamo Cache Lookup" range is
 not there (the lookup is ours). Differential tests run every
@@ -65,7 +86,17 @@ from torch._dynamo.mutation_guard import GenerationTracker
 from torch.fx._symbolic_trace import is_fx_symbolic_tracing
 from torch.nn.modules.module import _has_any_global_hook
 
-__all__ = ["DirectDynamoCall", "direct_calls", "wrap_if_dynamo_module"]
+from ca_runtime._graph_ops import USER_ERROR_TAG
+from ca_runtime._log import EagerFallbackWarning, describe_error, log, warn_at_user_line
+from ca_runtime._torch_interop import compiled_frame_id, failed_compile_frame_id
+
+__all__ = [
+    "DirectDynamoCall",
+    "direct_calls",
+    "reset_uncompiled_runs",
+    "uncompiled_runs",
+    "wrap_if_dynamo_module",
+]
 
 #: Opcodes (CPython 3.10-3.12) that move values between the stack, locals and
 #: containers, or call what was loaded: what Dynamo emits to call its graph
@@ -92,9 +123,11 @@ _MAX_CODES = 16
 
 
 class _Counts:
-    """Graph calls served directly, bumped under the GIL."""
+    """Graph calls served directly or run uncompiled, bumped under the GIL."""
 
     direct_calls = 0
+    #: Calls run uncompiled after a recompile failed; see [Note: A recompile that fails on a hit].
+    uncompiled_runs = 0
 
 
 _COUNTS = _Counts()
@@ -103,6 +136,15 @@ _COUNTS = _Counts()
 def direct_calls() -> int:
     """Graph calls served by ``DirectDynamoCall`` since the process started (for tests and the bench)."""
     return _COUNTS.direct_calls
+
+
+def uncompiled_runs() -> int:
+    """Graph calls run uncompiled since the last reset; see [Note: A recompile that fails on a hit]."""
+    return _COUNTS.uncompiled_runs
+
+
+def reset_uncompiled_runs() -> None:
+    _COUNTS.uncompiled_runs = 0
 
 
 def _runs_one_graph(code: types.CodeType) -> bool:
@@ -140,7 +182,18 @@ class DirectDynamoCall:
     See [Note: Calling Dynamo's cached code directly].
     """
 
-    __slots__ = ("__weakref__", "_code", "_functions", "_globals", "backend", "compiled", "gm")
+    __slots__ = (
+        "__weakref__",
+        "_code",
+        "_frame_id",
+        "_functions",
+        "_globals",
+        "_ran_once",
+        "_recompile_failed",
+        "backend",
+        "compiled",
+        "gm",
+    )
 
     def __init__(self, compiled: Any, gm: torch.fx.GraphModule) -> None:
         #: The OptimizedModule: every call that the direct path does not take.
@@ -156,6 +209,12 @@ class DirectDynamoCall:
         self.backend = eval_frame.innermost_backend(compiled.dynamo_ctx.callback)
         #: Per transformed code seen: its function, or None if not direct-callable.
         self._functions: dict[types.CodeType, types.FunctionType | None] = {}
+        #: A call returned: the graph's first run (run_first judges its failures) is over.
+        self._ran_once = False
+        #: A recompile failed; see [Note: A recompile that fails on a hit].
+        self._recompile_failed = False
+        #: Dynamo's id of the graph's frame (its compile ids' frame_id), known after the first run.
+        self._frame_id: int | None = None
 
     def _function_for(self, code: types.CodeType) -> types.FunctionType | None:
         try:
@@ -211,7 +270,35 @@ class DirectDynamoCall:
                         with torch.autograd.profiler.record_function(f"Torch-Compiled Region: {compile_id}"):
                             return function(self.gm, inputs, sizes, scalars, hooks)
                     return function(self.gm, inputs, sizes, scalars, hooks)
-        return self.compiled(inputs, sizes, scalars, hooks)
+        if self._recompile_failed:
+            return self._run_uncompiled(inputs, sizes, scalars, hooks)
+        if not self._ran_once:
+            outputs = self.compiled(inputs, sizes, scalars, hooks)
+            self._ran_once = True
+            self._frame_id = compiled_frame_id(self._code)
+            return outputs
+        try:
+            return self.compiled(inputs, sizes, scalars, hooks)
+        except Exception as e:
+            # The tag stays for ca_core, which takes it off (see [Note: User errors are tagged]).
+            if getattr(e, USER_ERROR_TAG, False) is True or self._frame_id is None:
+                raise
+            if failed_compile_frame_id(e) != self._frame_id:
+                raise  # not our graph's frame: a resume function's, reached after part of the graph ran
+            self._recompile_failed = True
+            warn_at_user_line(
+                "ca_runtime: recompiling a cached backward graph failed (" + describe_error(e) + "); "
+                "this backward and later ones that its compiled code does not fit run the graph uncompiled",
+                EagerFallbackWarning,
+            )
+            log.debug("recompile failure", exc_info=True)
+        return self._run_uncompiled(inputs, sizes, scalars, hooks)
+
+    def _run_uncompiled(
+        self, inputs: list[Any], sizes: list[Any], scalars: list[Any], hooks: list[Any]
+    ) -> Any:
+        _COUNTS.uncompiled_runs += 1
+        return self.gm(inputs, sizes, scalars, hooks)
 
 
 def _has_hooks(module: torch.nn.Module) -> bool:

@@ -39,6 +39,7 @@ from ca_core.runtime_protocol import EngineRuntime
 
 from ca_runtime._background import BackgroundInductor, background_counts, reset_background_counts
 from ca_runtime._compiler_key import compiler_key, forget_captures, forget_compiler_keys
+from ca_runtime._dynamo_direct import reset_uncompiled_runs, uncompiled_runs
 from ca_runtime._log import warn_at_user_line
 from ca_runtime._runtime import CompilerFn, Runtime, graph_break_count, reset_graph_breaks
 from ca_runtime._torch_interop import (
@@ -315,6 +316,7 @@ def reset() -> None:
     ca_core.reset_counters()
     reset_graph_breaks()
     reset_background_counts()
+    reset_uncompiled_runs()
 
 
 def cache_clear_failed() -> None:
@@ -344,9 +346,10 @@ def stats() -> dict[str, int]:
     ``captures`` (graphs captured and compiled), ``cache_hits`` (backwards
     served from the cache), ``graph_breaks`` (calls that run eagerly behind a
     graph break, summed over the captured graphs), ``eager_fallbacks``
-    (backwards run wholly eagerly), and for ``compile_in_background``,
-    ``background_compiles`` (Inductor compiles started on a thread),
-    ``uncompiled_runs`` (graph calls run op by op while theirs went on) and
+    (backwards run wholly eagerly), ``uncompiled_runs`` (graph calls run op by
+    op: while their compile went on in the background, or because recompiling
+    a cached graph failed), and for ``compile_in_background``,
+    ``background_compiles`` (Inductor compiles started on a thread) and
     ``eager_while_compiling`` (backwards run on the eager engine meanwhile),
     and ``eager_by_choice`` (backwards at a cache entry run on the eager
     engine because its graph was not measurably faster, or to time it; see
@@ -354,12 +357,14 @@ def stats() -> dict[str, int]:
     recognised without walking the graph.
     """
     counters = ca_core.counters()
+    background = background_counts()
     return {
         "captures": counters["captures"],
         "cache_hits": counters["cache_hits"],
         "graph_breaks": graph_break_count(),
         "eager_fallbacks": counters["eager_fallbacks"],
-        **background_counts(),
+        "background_compiles": background["background_compiles"],
+        "uncompiled_runs": background["uncompiled_runs"] + uncompiled_runs(),
         "eager_while_compiling": counters["eager_while_compiling"],
         "eager_by_choice": counters["eager_by_choice"],
         "eager_without_walk": counters["eager_without_walk"],

@@ -16,6 +16,7 @@ __all__ = [
     "EagerFallbackWarning",
     "GraphBreakWarning",
     "RecompileWarning",
+    "describe_error",
     "log",
     "miss_log",
     "warn_at_user_line",
@@ -87,3 +88,14 @@ def warn_at_user_line(message: str, category: type[Warning]) -> None:
         frame = frame.f_back  # type: ignore[assignment]
         level += 1
     warnings.warn(message, category, stacklevel=level + 1 if frame is not None else 2)
+
+
+def describe_error(error: BaseException) -> str:
+    """``Type: first line``, followed by the same for its cause (Dynamo wraps backend errors)."""
+    parts: list[str] = []
+    seen: BaseException | None = error
+    while seen is not None and len(parts) < 3:
+        lines = str(seen).strip().splitlines()
+        parts.append(f"{type(seen).__name__}: {lines[0] if lines else ''}".rstrip(": "))
+        seen = seen.__cause__ or getattr(seen, "inner_exception", None)
+    return " <- ".join(parts)

@@ -67,7 +67,14 @@ from ca_runtime._compiler_key import compiler_name, note_first_capture
 from ca_runtime._dynamo_direct import wrap_if_dynamo_module
 from ca_runtime._graph_ops import call_user, raised_by_user_code
 from ca_runtime._inductor_passes import UNFUSE_LATE_ADDMM
-from ca_runtime._log import EagerFallbackWarning, GraphBreakWarning, log, miss_log, warn_at_user_line
+from ca_runtime._log import (
+    EagerFallbackWarning,
+    GraphBreakWarning,
+    describe_error,
+    log,
+    miss_log,
+    warn_at_user_line,
+)
 from ca_runtime._node_runs import fuse_node_runs
 from ca_runtime._report import records
 from ca_runtime._state import STATE
@@ -75,6 +82,7 @@ from ca_runtime._torch_interop import (
     FakeBackwardCFunction,
     call_backward,
     clear_finished_tracked_fakes,
+    forget_metric_stacks,
     forget_sources_with,
     release_dynamo_state_with,
     set_locals_to_steal,
@@ -98,17 +106,6 @@ def graph_break_count() -> int:
 def reset_graph_breaks() -> None:
     """Zeroes the graph-break counter and forgets which breaks were warned about."""
     STATE.reset()
-
-
-def _describe(error: BaseException) -> str:
-    """``Type: first line``, followed by the same for its cause (Dynamo wraps backend errors)."""
-    parts: list[str] = []
-    seen: BaseException | None = error
-    while seen is not None and len(parts) < 3:
-        lines = str(seen).strip().splitlines()
-        parts.append(f"{type(seen).__name__}: {lines[0] if lines else ''}".rstrip(": "))
-        seen = seen.__cause__ or getattr(seen, "inner_exception", None)
-    return " <- ".join(parts)
 
 
 CompilerFn = Callable[[torch.fx.GraphModule], Callable[..., Any]]
@@ -280,8 +277,8 @@ class Runtime:
             self._fallback(e.node_name, e.reason, record)
             return None
         except Exception as e:  # noqa: BLE001 - a capture bug must not kill the training step
-            records.capture_failed(record, "capture", _describe(e))
-            self._fallback("capture", _describe(e), record)
+            records.capture_failed(record, "capture", describe_error(e))
+            self._fallback("capture", describe_error(e), record)
             return None
         records.capture_built(record, captured, time.perf_counter() - start)
         gm = captured.graph_module
@@ -295,8 +292,8 @@ class Runtime:
         try:
             compiled = self._compile(form)
         except Exception as e:  # noqa: BLE001 - any compiler failure is a fallback with a warning
-            records.capture_failed(record, "compiler_fn", _describe(e))
-            self._fallback("compiler_fn", _describe(e), record)
+            records.capture_failed(record, "compiler_fn", describe_error(e))
+            self._fallback("compiler_fn", describe_error(e), record)
             return None
         if not callable(compiled):
             reason = (
@@ -373,6 +370,7 @@ class Runtime:
             except Exception as e:  # noqa: BLE001 - judged below, outside the contexts
                 failed = e
         forget_sources_with(compiled, sources)  # see [Note: Sources of our graphs] in _torch_interop.py
+        forget_metric_stacks()  # see [Note: Stacks Dynamo's metrics keep] in _torch_interop.py
         try:
             if failed is not None:
                 raise failed
@@ -383,7 +381,7 @@ class Runtime:
             # ca_core runs this backward eagerly and calls report_fallback only
             # if eager succeeds (see [Note: Whose failure] in ca_core).
             self.last_failure = (
-                str(e) if isinstance(e, _CompiledOutputError) else "first run failed: " + _describe(e)
+                str(e) if isinstance(e, _CompiledOutputError) else "first run failed: " + describe_error(e)
             )
             if record is not None:
                 records.first_run_done(

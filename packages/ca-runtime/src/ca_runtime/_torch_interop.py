@@ -50,8 +50,10 @@ Used through this module:
   13. Dynamo's per-code state: ``_debug_get_cache_entry_list``,
      ``eval_frame.remove_from_cache``, ``CheckFunctionManager.invalidate``
      finalizers in ``weakref.finalize._registry``, ``pgo._CODE_STATE``,
-     ``bytecode_transformation._cached_cleaned_instructions`` and
-     ``eval_frame.cached_backends``; see [Note: What Dynamo keeps of a
+     ``bytecode_transformation._cached_cleaned_instructions``,
+     ``guards.code_framelocals_names_reversed_cached``,
+     ``eval_frame.cached_backends`` and the ``seen`` lists of
+     ``convert_frame.input_codes``/``output_codes``; see [Note: What Dynamo keeps of a
      dropped graph].
   14. ``torch._dynamo.variables.builtin.SetAttrBuiltinVariable.call_function``:
      wrapped so that a traced ``setattr(...)`` is None; see [Note: setattr is
@@ -59,6 +61,14 @@ Used through this module:
   15. ``ShapeEnv.tracked_fakes`` and ``torch._dynamo.convert_frame.compile_lock``:
      cleared once a first run's compiles are done; see [Note: Fakes a
      finished compile still tracks].
+  16. ``torch._dynamo.utils.get_metrics_context()`` and its ``_edits``: the
+     stacks Dynamo records of each compile's metrics, let go of once no
+     compile is in progress on the thread; see [Note: Stacks Dynamo's metrics
+     keep].
+  17. The ``compile_id`` Dynamo sets on an exception of a failed compile
+     (``exc.get_exc_message``) and the ``compile_id.frame_id`` of a code's
+     cache entries: which frame's compile failed; see [Note: A recompile
+     that fails on a hit] in _dynamo_direct.py.
 Used in place, because they are what the module is about:
   6. AOTAutograd's ``CompiledFunction`` internals in _aot.py (``_aot_id``,
      ``_bw_prologue_fn``, ``metadata``, ``maybe_subclass_metadata``,
@@ -103,8 +113,11 @@ __all__ = [
     "checkpoint_saved_index",
     "checkpoint_saved_metadata",
     "clear_finished_tracked_fakes",
+    "compiled_frame_id",
     "dynamo_context_backend",
     "dynamo_skips",
+    "failed_compile_frame_id",
+    "forget_metric_stacks",
     "forget_sources_with",
     "keep_hook_across_torch_disable",
     "rearm_torch_compiled_autograd",
@@ -431,10 +444,16 @@ def forget_sources_with(owner: object, keys: list[str]) -> None:
 # guards match by id or type, here `list`, `tuple` and a function of
 # _graph_ops, which never die. When the callable a capture compiled is let go
 # (reset(), a compiler's cache dropped), release_dynamo_state frees that code's
-# cache entries, detaches those finalizers and drops its PGO state. What stays
-# is torch's own (ShapeEnv.tracked_fakes keeps a cycle through the fake
-# tensors' autograd graph, as a plain torch.compile of a function with
-# non-leaf inputs that require grad does): about 1 MB a capture with "eager".
+# cache entries, detaches those finalizers and drops its PGO state. Three
+# process-wide caches hold the code itself, and with it its constants: the
+# lru_caches of cleaned instructions and of frame-local names (the second
+# unbounded: every code Dynamo ever guarded, kept even by
+# torch._dynamo.reset()), cleared whole; and the weakrefs of
+# convert_frame.input_codes/output_codes, which outlive their codes and are
+# pruned. Two more are released elsewhere: ShapeEnv.tracked_fakes (see [Note:
+# Fakes a finished compile still tracks]) and the stacks of Dynamo's metrics
+# (see [Note: Stacks Dynamo's metrics keep]). With all of them, RSS stays flat
+# over capture/reset() cycles with backend "eager" (bench/README.md).
 
 
 def _guard_finalizers(managers: list[Any]) -> list[weakref.finalize]:
@@ -485,6 +504,15 @@ def _release_dynamo_state(code: types.CodeType) -> None:
     # An lru_cache of 128 codes: no single entry can go, and what the others
     # lose is recomputed at their next compile (a fraction of a Dynamo trace).
     torch._dynamo.bytecode_transformation._cached_cleaned_instructions.cache_clear()
+    # An unbounded functools.cache keyed by every code Dynamo built guards
+    # for, which keeps each graph's code (and its constants) for the process:
+    # cleared whole, as above (a list of local names, recomputed per code).
+    torch._dynamo.guards.code_framelocals_names_reversed_cached.cache_clear()
+    # Two weakrefs (and their callbacks) per compile that outlive their codes;
+    # the ones whose codes died are dropped (this graph's, at the next release).
+    convert_frame = torch._dynamo.convert_frame
+    for tracker in (convert_frame.input_codes, convert_frame.output_codes):
+        tracker.seen[:] = [ref for ref in tracker.seen if ref() is not None]
 
 
 # [Note: Fakes a finished compile still tracks]
@@ -514,6 +542,39 @@ def clear_finished_tracked_fakes(objects: list[Any]) -> None:
                 obj.tracked_fakes.clear()
     finally:
         compile_lock.release()
+
+
+# [Note: Stacks Dynamo's metrics keep]
+# Each thread's MetricsContext (torch._dynamo.utils.get_metrics_context())
+# records a CapturedTraceback for every metric a compile sets, to name the
+# earlier setter when a metric is set twice in one compile. torch never
+# clears that list: it starts each compile's metrics afresh but keeps every
+# compile's stacks for the life of the thread, and a CapturedTraceback holds
+# the code objects of its frames from C++, where gc cannot see them. Among
+# them is our graph's forward code (with its constants and names), so about
+# 30 KB a capture stayed after reset() with a Dynamo backend. Once no compile
+# is in progress on this thread, no later set() can be compared with them:
+# they are dropped after each first run. Background compiles run on threads
+# of their own, whose contexts die with them.
+def forget_metric_stacks() -> None:
+    """16. Drops the stacks this thread's finished compiles left; see [Note: Stacks Dynamo's metrics keep]."""
+    context = torch._dynamo.utils.get_metrics_context()
+    if not context.in_progress():
+        context._edits.clear()
+
+
+def compiled_frame_id(code: types.CodeType) -> int | None:
+    """17. Dynamo's frame id of ``code`` (from its newest cache entry), or None if it has none."""
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    entries = _debug_get_cache_entry_list(code)
+    compile_id = entries[0].compile_id if entries else None
+    return getattr(compile_id, "frame_id", None)
+
+
+def failed_compile_frame_id(error: BaseException) -> int | None:
+    """17. The frame id of the Dynamo compile that raised ``error``, or None if Dynamo did not say."""
+    return getattr(getattr(error, "compile_id", None), "frame_id", None)
 
 
 def release_dynamo_state_with(owner: object, code: types.CodeType, compiled: object) -> None:
