@@ -116,14 +116,20 @@ def sweep(session: nox.Session) -> None:
 
 @nox.session(python="3.11", default=False)
 def fuzz(session: nox.Session) -> None:
-    """The fuzzer at full budget: 20,000 programs, each a sequence of backwards (10,000 per backend, eager and aot_eager).
+    """The fuzzer at full budget: 30,000 programs, each a sequence of backwards (10,000 per run).
 
-    Prints the wall time of each run. Hours on 2 cores; ``nox -s fuzz -- --examples N`` changes the budget per backend.
+    Backends eager and aot_eager, then the combined mode (saved-tensor hooks,
+    Functions, double backward) with backend none. Prints the wall time of
+    each run. Hours on 2 cores; ``nox -s fuzz -- --examples N`` changes the
+    budget per run.
     """
     _install(session, "numpy", *TESTKIT_EXTRAS)
     extra = session.posargs or ["--examples", "10000"]
     for backend in ("eager", "aot_eager"):
         session.run("python", "-m", "ca_testkit", "fuzz", "--backend", backend, "--jobs", "2", *extra)
+    session.run(
+        "python", "-m", "ca_testkit", "fuzz", "--backend", "none", "--combined", "--jobs", "2", *extra
+    )
 
 
 @nox.session(python="3.11", default=False)

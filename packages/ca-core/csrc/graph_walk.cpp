@@ -537,6 +537,15 @@ class GraphWalk {
   /// Step 2.
   void collect(CompiledNodeArgs& args, NodeState& ns, Node* fn) {
     NodeCall& call = ns.call;
+    // [Note: Outputs no node reaches]
+    // autograd.grad's inputs are marked on the nodes their edges lead to, so
+    // an input the graph does not reach (allow_unused=True) marks nothing.
+    // grad(y, [a]) and grad(y, [a, b]) with b unused would then share a key
+    // while the graph returns one grad for the first and two for the second:
+    // their number is part of the root's key.
+    if (fn == root_.get()) {
+      args.collect_size(state_->num_outputs);
+    }
     collect_node_call(args, ns, fn);
     if (!args.cond(call.needed)) {
       return;

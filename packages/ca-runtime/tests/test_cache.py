@@ -12,6 +12,7 @@ import ca_core
 import ca_runtime
 import pytest
 import torch
+import torch.utils.checkpoint
 from ca_testkit import compare
 from ca_testkit.scenarios import make_mlp
 
@@ -145,6 +146,50 @@ def test_create_graph_double_backward(backend: str) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ca_runtime.EagerFallbackWarning)
         compare(step, backend, tensors=[x], steps=2).assert_ok()
+
+
+def test_double_backward_through_a_checkpoint_when_the_batch_changes(backend: str) -> None:
+    """The recomputed activations keep their graph on a recapture with dynamic sizes (fuzzer, combined mode).
+
+    A checkpointed node runs behind a graph break with create_graph=True; on
+    the recapture its saved sizes were passed in, which took it off the path
+    where its unpacked tensors are attached to their graph: the second-order
+    grads lost every term through the recomputed activations.
+    """
+    w = torch.randn(4, 4, requires_grad=True)
+
+    def region(a: torch.Tensor) -> torch.Tensor:
+        return ((a * a).sin() @ w).relu() + a
+
+    def step(i: int) -> list[torch.Tensor]:
+        x = torch.randn(
+            3 if i % 2 == 0 else 5, 4, generator=torch.Generator().manual_seed(i)
+        ).requires_grad_()
+        w.grad = None
+        out = torch.utils.checkpoint.checkpoint(region, x, use_reentrant=False)
+        grads = torch.autograd.grad(out.sum(), [w, x], create_graph=True)
+        assert all(g.requires_grad for g in grads)
+        sum((g * g).sum() for g in grads).backward()
+        return [g.detach() for g in grads] + [x.grad]
+
+    result = compare(step, backend, tensors=[w], steps=3)
+    result.assert_ok()
+    assert result.stats["captures"] >= 4 and result.stats["graph_breaks"] > 0, result.stats
+    assert result.stats["eager_fallbacks"] == 0, result.stats
+
+
+def test_grad_of_the_same_graph_with_more_inputs_than_it_reaches(backend: str) -> None:
+    """See [Note: Outputs no node reaches]: each list of grad() inputs gets the grads eager gives."""
+    a = torch.randn(3, requires_grad=True)
+    b = torch.randn(3, requires_grad=True)  # never reached
+
+    def step(i: int) -> tuple[torch.Tensor | None, ...]:
+        inputs = ([a], [a, b], [b, a], [a], [a, b])[i]
+        return torch.autograd.grad((a * 2).sin().sum(), inputs, allow_unused=True)
+
+    result = compare(step, backend, steps=5)
+    result.assert_ok()
+    assert result.stats["captures"] == 3 and result.stats["cache_hits"] == 2, result.stats
 
 
 def test_retain_graph_repeated_backward(backend: str) -> None:

@@ -575,9 +575,13 @@ class _GraphBuilder:
     def _apply_break(self, node: ca_core.NodeInfo, buffer: list[Any], why: str) -> torch.fx.Node:
         """``apply_with_saved`` behind a graph break: runs on real tensors every backward."""
         self.graph_break(node, why or "it cannot be traced")
-        saved, apply_sizes, scalars = self._saved(node)
+        saved, _, scalars = self._saved(node)
+        # No replacement sizes: the real node's own are this backward's, and
+        # with none it runs as eager runs it, its unpacked saved tensors
+        # attached to their graph for a create_graph=True backward (see
+        # [Note: Eager fast path] in ca_core).
         outputs = _call_for(
-            self.fx, node, ops.apply_with_saved_eager, (node.index, list(buffer), saved, apply_sizes, scalars)
+            self.fx, node, ops.apply_with_saved_eager, (node.index, list(buffer), saved, None, scalars)
         )
         return self._validated(node, outputs)
 

@@ -4,7 +4,7 @@ python -m ca_testkit sweep --backend aot_eager [--impl ca|torch] [--ops PATTERN]
                            [--dtype float32,float64,complex64] [--samples K|all]
                            [--every N] [--timeout SECONDS] [--jobs N] --json out.json
 python -m ca_testkit report a.json b.json [--markdown out.md]
-python -m ca_testkit fuzz --examples 5000 [--backend none|eager|aot_eager] [--seed N] [--jobs N]
+python -m ca_testkit fuzz --examples 5000 [--backend none|eager|aot_eager] [--seed N] [--jobs N] [--combined]
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def _fuzz(args: argparse.Namespace) -> int:
 
     start = time.perf_counter()
     if args.jobs <= 1:
-        snippets = [fuzz.fuzz_slice(args.examples, args.backend, args.seed, args.impl)]
+        snippets = [fuzz.fuzz_slice(args.examples, args.backend, args.seed, args.impl, args.combined)]
     else:
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
@@ -118,7 +118,7 @@ def _fuzz(args: argparse.Namespace) -> int:
         shares = [args.examples // args.jobs + (k < args.examples % args.jobs) for k in range(args.jobs)]
         with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
             futures = [
-                pool.submit(fuzz.fuzz_slice, n, args.backend, args.seed + k, args.impl)
+                pool.submit(fuzz.fuzz_slice, n, args.backend, args.seed + k, args.impl, args.combined)
                 for k, n in enumerate(shares)
             ]
             snippets = [f.result() for f in futures]
@@ -128,7 +128,8 @@ def _fuzz(args: argparse.Namespace) -> int:
         print(f"MISMATCH after shrinking ({elapsed:.0f} s):\n{failing[0]}")
         return 1
     print(
-        f"{args.examples} random programs, no mismatch (impl={args.impl}, backend={args.backend}, "
+        f"{args.examples} random programs{' (combined)' if args.combined else ''}, no mismatch "
+        f"(impl={args.impl}, backend={args.backend}, "
         f"seed={args.seed}, jobs={args.jobs}, {elapsed:.0f} s wall)"
     )
     return 0
@@ -178,6 +179,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--jobs", type=int, default=1, help="worker processes, seeds seed..seed+jobs-1 (default 1)"
+    )
+    p.add_argument(
+        "--combined",
+        action="store_true",
+        help="also saved-tensor hooks, setup_context/once_differentiable Functions and double backward",
     )
     p.set_defaults(run=_fuzz)
 

@@ -20,11 +20,21 @@ the same sequence; every step's grads and hook log are compared. Hypothesis
 shrinks both the program and the sequence; ``Program.snippet()`` replays the
 failing run exactly, with its backend, and prints both hook logs.
 
+The combined mode (``--combined``) also draws what autograd's features do
+together: a forward under ``saved_tensors_hooks`` whose pack and unpack
+hooks log each call (so that an unpack run twice, or not at all, is a
+mismatch), a custom Function written with ``setup_context`` and
+``once_differentiable``, and a double backward (``autograd.grad`` with
+``create_graph=True``, then a backward of the grads' sum), on top of the
+checkpoint regions, Functions and hooks of every program.
+
     python -m ca_testkit fuzz --examples 5000 --backend none --seed 0
+    python -m ca_testkit fuzz --examples 5000 --backend none --combined
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -32,7 +42,18 @@ from typing import Any
 import torch
 import torch.utils.checkpoint
 
-__all__ = ["OPS", "Program", "Step", "Variant", "check_program", "programs", "replay", "run_program"]
+__all__ = [
+    "ALL_OPS",
+    "COMBINED_OPS",
+    "OPS",
+    "Program",
+    "Step",
+    "Variant",
+    "check_program",
+    "programs",
+    "replay",
+    "run_program",
+]
 
 COLS = 4
 
@@ -50,6 +71,26 @@ class Scale(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         (x,) = ctx.saved_tensors
         return grad * (ctx.k + x.cos()), None
+
+
+class SetupScale(torch.autograd.Function):
+    """A Function in the ``setup_context`` style whose backward is ``once_differentiable``."""
+
+    @staticmethod
+    def forward(x: torch.Tensor, k: float) -> torch.Tensor:
+        return x * k + x.tanh()
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        x, k = inputs
+        ctx.k = k
+        ctx.save_for_backward(x)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (x,) = ctx.saved_tensors
+        return grad * (ctx.k + 1.0 - x.tanh() ** 2), None
 
 
 def view_inplace(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -84,6 +125,7 @@ class OpSpec:
 _OP_NAMESPACE = {
     "torch": torch,
     "Scale": Scale,
+    "SetupScale": SetupScale,
     "view_inplace": view_inplace,
     "split_rows": split_rows,
     "checkpointed": checkpointed,
@@ -134,6 +176,13 @@ OPS: dict[str, OpSpec] = {
     "checkpoint": _op(2, "checkpointed(a, b, W)"),
 }
 
+#: Ops only the combined mode draws. SetupScale's backward is once
+#: differentiable: a double backward through it raises, in eager as under ca.
+COMBINED_OPS: dict[str, OpSpec] = {
+    "setup_function": _op(1, "SetupScale.apply(a, s)"),
+}
+ALL_OPS: dict[str, OpSpec] = {**OPS, **COMBINED_OPS}
+
 #: Hooks a step may attach to its output: tensor hooks and grad_fn pre/post hooks.
 HOOKS: tuple[str, ...] = ("double", "observe", "pre_half", "post_observe")
 
@@ -182,6 +231,10 @@ class Program:
     #: Backwards per variant; all but the last with ``retain_graph=True``.
     backwards: int = 1
     variants: tuple[Variant, ...] = (Variant(),)
+    #: The forward runs under saved_tensors_hooks whose pack/unpack log each call (combined mode).
+    saved_hooks: bool = False
+    #: The backward is a double backward: grad(create_graph=True), then backward of the grads (combined mode).
+    double: bool = False
 
     def literal(self) -> str:
         """The constructor call that rebuilds this program."""
@@ -190,7 +243,8 @@ class Program:
             f"    steps=({''.join(f'{s!r}, ' for s in self.steps)}),\n"
             f"    roots={self.roots!r}, seed={self.seed!r}, leaf_hooks={self.leaf_hooks!r},\n"
             f"    module_hook={self.module_hook!r}, backwards={self.backwards!r},\n"
-            f"    variants=({''.join(f'{v!r}, ' for v in self.variants)}))"
+            f"    variants=({''.join(f'{v!r}, ' for v in self.variants)}),\n"
+            f"    saved_hooks={self.saved_hooks!r}, double={self.double!r})"
         )
 
     def listing(self) -> list[str]:
@@ -204,10 +258,13 @@ class Program:
         for k, step in enumerate(self.steps):
             operands = ", ".join(f"{'abc'[j]}=t{a}" for j, a in enumerate(step.args))
             hook = f"   hook: {step.hook}" if step.hook else ""
-            lines.append(f"#   t{n + k} = {OPS[step.op].code}   [{operands}]{hook}")
+            lines.append(f"#   t{n + k} = {ALL_OPS[step.op].code}   [{operands}]{hook}")
+        kind = "double backward" if self.double else "backward"
         lines.append(
-            f"#   backward of {' + '.join(f't{r}.sum()' for r in self.roots)}, {self.backwards} time(s)"
+            f"#   {kind} of {' + '.join(f't{r}.sum()' for r in self.roots)}, {self.backwards} time(s)"
         )
+        if self.saved_hooks:
+            lines.append("#   the forward runs under logging saved_tensors_hooks")
         if self.module_hook:
             lines.append("#   lin has a full backward hook")
         return lines
@@ -263,15 +320,50 @@ def run_program(program: Program, index: int = 0) -> tuple[list[torch.Tensor | N
         if program.module_hook:
             lin.register_full_backward_hook(_logging_module_hook(log))
     pool: list[torch.Tensor] = list(leaves)
-    for k, step in enumerate(program.steps):
-        out = OPS[step.op].fn(*(pool[j] for j in step.args), weight, lin, variant.scalar)
-        if variant.hooks and step.hook and out.grad_fn is not None:
-            _attach_hook(out, step.hook, f"h{k}", log)
-        pool.append(out)
+    with _saved_tensors_hooks(log) if program.saved_hooks else contextlib.nullcontext():
+        for k, step in enumerate(program.steps):
+            out = ALL_OPS[step.op].fn(*(pool[j] for j in step.args), weight, lin, variant.scalar)
+            if variant.hooks and step.hook and out.grad_fn is not None:
+                _attach_hook(out, step.hook, f"h{k}", log)
+            pool.append(out)
     roots = [pool[r].sum() for r in program.roots if pool[r].requires_grad]
     for b in range(program.backwards if roots else 0):
-        torch.autograd.backward(roots, retain_graph=b + 1 < program.backwards)
+        retain = b + 1 < program.backwards
+        if program.double:
+            _double_backward(roots, params, retain, log)
+        else:
+            torch.autograd.backward(roots, retain_graph=retain)
     return [p.grad for p in params], log
+
+
+def _saved_tensors_hooks(log: list[str]) -> Any:
+    """Pack hooks that copy (so that the unpacked tensor is not the original), both logged."""
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        log.append(f"pack {tuple(t.shape)}")
+        return t * 1
+
+    def unpack(t: torch.Tensor) -> torch.Tensor:
+        log.append(f"unpack {tuple(t.shape)}")
+        return t
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
+def _double_backward(
+    roots: list[torch.Tensor], params: list[torch.Tensor], retain: bool, log: list[str]
+) -> None:
+    """grad(create_graph=True) of the roots' sum w.r.t. every grad-requiring tensor, then backward of the grads."""
+    wrt = [p for p in params if p.requires_grad]
+    try:
+        grads = torch.autograd.grad(torch.stack(roots).sum(), wrt, create_graph=True, allow_unused=True)
+        # Which first-order grads carry a graph is part of the comparison.
+        log.append(f"grad graph {[None if g is None else g.requires_grad for g in grads]}")
+        second = [(g * g).sum() for g in grads if g is not None and g.requires_grad]
+        if second:
+            torch.autograd.backward(second, retain_graph=retain)
+    except RuntimeError as e:  # a once_differentiable backward: the error is part of the comparison
+        log.append(f"error {str(e).splitlines()[0]}")
 
 
 def _attach_hook(out: torch.Tensor, kind: str, name: str, log: list[str]) -> None:
@@ -316,8 +408,8 @@ def _logging_module_hook(log: list[str]) -> Callable[..., None]:
     return hook
 
 
-def programs(max_steps: int = 8, max_variants: int = 4) -> Any:
-    """Hypothesis strategy for Programs (each with a sequence of variants)."""
+def programs(max_steps: int = 8, max_variants: int = 4, combined: bool = False) -> Any:
+    """Hypothesis strategy for Programs (each with a sequence of variants); ``combined`` draws the combined mode."""
     from hypothesis import strategies as st
 
     @st.composite
@@ -329,8 +421,8 @@ def programs(max_steps: int = 8, max_variants: int = 4) -> Any:
         steps = []
         for k in range(draw(st.integers(1, max_steps))):
             pool_size = n_leaves + k
-            name = draw(st.sampled_from(sorted(OPS)))
-            args = tuple(draw(st.integers(0, pool_size - 1)) for _ in range(OPS[name].arity))
+            name = draw(st.sampled_from(sorted(ALL_OPS if combined else OPS)))
+            args = tuple(draw(st.integers(0, pool_size - 1)) for _ in range(ALL_OPS[name].arity))
             hook = draw(st.sampled_from([None, None, None, *HOOKS]))
             steps.append(Step(name, args, hook))
         total = n_leaves + len(steps)
@@ -357,6 +449,8 @@ def programs(max_steps: int = 8, max_variants: int = 4) -> Any:
             module_hook=draw(st.sampled_from([False, False, True])),
             backwards=draw(st.sampled_from([1, 1, 1, 2])),
             variants=tuple(variants),
+            saved_hooks=combined and draw(st.booleans()),
+            double=combined and draw(st.booleans()),
         )
 
     return build()
@@ -371,7 +465,7 @@ def _runs_a_backward(program: Program, index: int) -> bool:
     weight, lin = torch.zeros(COLS, COLS, requires_grad=True), torch.nn.Linear(COLS, COLS)
     pool = list(leaves)
     for step in program.steps:
-        pool.append(OPS[step.op].fn(*(pool[j] for j in step.args), weight, lin, variant.scalar))
+        pool.append(ALL_OPS[step.op].fn(*(pool[j] for j in step.args), weight, lin, variant.scalar))
     return any(pool[r].requires_grad for r in program.roots)
 
 
@@ -440,6 +534,7 @@ def fuzz(
     seed: int = 0,
     impl: str = "ca",
     compiler_fn: Any = None,
+    combined: bool = False,
 ) -> Program | None:
     """Runs ``examples`` random programs; returns the shrunk failing one, or None."""
     import warnings
@@ -458,7 +553,7 @@ def fuzz(
         suppress_health_check=list(HealthCheck),
         print_blob=False,
     )
-    @given(programs())
+    @given(programs(combined=combined))
     def check(program: Program) -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -474,12 +569,14 @@ def fuzz(
     return None
 
 
-def fuzz_slice(examples: int, backend: str, seed: int, impl: str = "ca") -> str | None:
+def fuzz_slice(
+    examples: int, backend: str, seed: int, impl: str = "ca", combined: bool = False
+) -> str | None:
     """One worker's share of ``python -m ca_testkit fuzz --jobs N``: the failing program's snippet, or None.
 
     Module-level (not in ``__main__``) so that spawned worker processes can import it.
     """
-    failing = fuzz(examples, backend, seed=seed, impl=impl)
+    failing = fuzz(examples, backend, seed=seed, impl=impl, combined=combined)
     return None if failing is None else failing.snippet(backend)
 
 
