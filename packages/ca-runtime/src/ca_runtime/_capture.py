@@ -679,10 +679,13 @@ class _Unpacker:
         #: each member's index in the frame's records; see
         #: [Note: Checkpoint regions in the graph].
         self._regions: dict[tuple[Any, ...], tuple[Any, int, list[int | None]]] = {}
+        #: Some unpack hook is inlined by Dynamo; see [Note: Side effects beside a region's recompute].
+        self._traces_unpack_hooks = False
         for node in nodes:
             if handlings.get(node.index, (None,))[0] is not Handling.TRACE:
                 continue
             for pair, hook, packed in zip(node.unpack_hooks, node.unpack_hook_fns, node.unpack_packed):
+                self._traces_unpack_hooks |= not dynamo_skips(hook)
                 if dynamo_skips(hook):
                     region = checkpoint_frame(hook)
                     group = ("node", node.index) if region is None else ("checkpoint", id(region[0]))
@@ -705,7 +708,23 @@ class _Unpacker:
                 continue
             members = self._members[group]
             region = self._regions.get(group)
-            if group not in self._called and region is not None and recomputable(*region):
+            # [Note: Side effects beside a region's recompute]
+            # The recompute op runs user code Dynamo does not see: the region's
+            # forward and, when saved_tensors_hooks were active around the
+            # checkpoint call, the user's unpack hook on the region's inputs.
+            # Dynamo replays the side effects of the unpack hooks it inlines
+            # after its graph by rebuilding each object it saw mutated (a list
+            # the hooks append to is rewritten whole), which erases what the
+            # op's calls did to the same object: eager's log of unpacks lost
+            # the region's (found by the fuzzer's combined mode). So where the
+            # graph inlines unpack hooks, regions run behind a graph break,
+            # after Dynamo has applied the side effects before it.
+            if (
+                group not in self._called
+                and region is not None
+                and not self._traces_unpack_hooks
+                and recomputable(*region)
+            ):
                 _, cell, indices = region
                 self._called[group] = self._fx.call_function(
                     recompute_region,
@@ -721,7 +740,10 @@ class _Unpacker:
                 )
             if group not in self._called:
                 what = "a checkpoint region's" if group[0] == "checkpoint" else "its"
-                self._graph_break(node, f"{what} saved tensors' unpack hooks are skipped by Dynamo")
+                why = "are skipped by Dynamo"
+                if region is not None and self._traces_unpack_hooks:
+                    why = "run beside unpack hooks Dynamo traces"  # see [Note: Side effects beside a region's recompute]
+                self._graph_break(node, f"{what} saved tensors' unpack hooks {why}")
                 self._called[group] = self._fx.call_function(
                     ops.call_unpack_hooks_eager,
                     ([self._hook_at(h) for h, _ in members], [self._hook_at(d) for _, d in members]),
