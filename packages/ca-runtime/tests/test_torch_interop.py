@@ -297,3 +297,23 @@ def test_17_the_frame_a_failed_compile_was_for() -> None:
         torch.compile(fn, backend=broken)(torch.ones(2))
     assert _torch_interop.failed_compile_frame_id(failed.value) == frame
     assert _torch_interop.failed_compile_frame_id(RuntimeError("not Dynamo's")) is None
+
+
+def test_08_checkpoint_inputs_packed_by_user_hooks() -> None:
+    """See [Note: Side effects beside a region's recompute]: read from the frame's saved_args."""
+    import torch.utils.checkpoint
+
+    def frame_of(out: torch.Tensor) -> object:
+        hook = (
+            out.grad_fn._raw_saved_self.unpack_hook
+        )  # a checkpoint unpack hook, SinBackward0 inside the region
+        found = _torch_interop.checkpoint_frame(hook)
+        assert found is not None
+        return found[0]
+
+    x = torch.ones(3, requires_grad=True)
+    plain = torch.utils.checkpoint.checkpoint(lambda a: (a * 2).sin(), x, use_reentrant=False)
+    assert not _torch_interop.checkpoint_inputs_have_hooks(frame_of(plain))
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        hooked = torch.utils.checkpoint.checkpoint(lambda a: (a * 2).sin(), x, use_reentrant=False)
+    assert _torch_interop.checkpoint_inputs_have_hooks(frame_of(hooked))

@@ -57,7 +57,12 @@ from ca_runtime import _graph_ops as ops
 from ca_runtime._aot import NotCopyable, copy_aot_backward
 from ca_runtime._checkpoint import recomputable, recompute_region
 from ca_runtime._node_rules import HOOK_RULES, Handling, NodeRule, rule_for
-from ca_runtime._torch_interop import checkpoint_frame, checkpoint_saved_index, dynamo_skips
+from ca_runtime._torch_interop import (
+    checkpoint_frame,
+    checkpoint_inputs_have_hooks,
+    checkpoint_saved_index,
+    dynamo_skips,
+)
 
 __all__ = ["Capture", "GraphBreak", "UnsupportedNode", "build_graph_module"]
 
@@ -679,13 +684,13 @@ class _Unpacker:
         #: each member's index in the frame's records; see
         #: [Note: Checkpoint regions in the graph].
         self._regions: dict[tuple[Any, ...], tuple[Any, int, list[int | None]]] = {}
-        #: Some unpack hook is inlined by Dynamo; see [Note: Side effects beside a region's recompute].
-        self._traces_unpack_hooks = False
+        #: Checkpoint groups whose region inputs were packed by user hooks;
+        #: see [Note: Side effects beside a region's recompute].
+        self._hooked_inputs: set[tuple[Any, ...]] = set()
         for node in nodes:
             if handlings.get(node.index, (None,))[0] is not Handling.TRACE:
                 continue
             for pair, hook, packed in zip(node.unpack_hooks, node.unpack_hook_fns, node.unpack_packed):
-                self._traces_unpack_hooks |= not dynamo_skips(hook)
                 if dynamo_skips(hook):
                     region = checkpoint_frame(hook)
                     group = ("node", node.index) if region is None else ("checkpoint", id(region[0]))
@@ -693,6 +698,8 @@ class _Unpacker:
                     self._members.setdefault(group, []).append(pair)
                     if region is not None:
                         frame, cell = region
+                        if checkpoint_inputs_have_hooks(frame):
+                            self._hooked_inputs.add(group)
                         self._regions.setdefault(group, (hook, cell, []))[2].append(
                             checkpoint_saved_index(frame, packed)
                         )
@@ -711,18 +718,20 @@ class _Unpacker:
             # [Note: Side effects beside a region's recompute]
             # The recompute op runs user code Dynamo does not see: the region's
             # forward and, when saved_tensors_hooks were active around the
-            # checkpoint call, the user's unpack hook on the region's inputs.
-            # Dynamo replays the side effects of the unpack hooks it inlines
-            # after its graph by rebuilding each object it saw mutated (a list
-            # the hooks append to is rewritten whole), which erases what the
-            # op's calls did to the same object: eager's log of unpacks lost
-            # the region's (found by the fuzzer's combined mode). So where the
-            # graph inlines unpack hooks, regions run behind a graph break,
-            # after Dynamo has applied the side effects before it.
+            # checkpoint call, the user's unpack hook on the region's inputs
+            # (the checkpoint frame saves them as SavedTensors). Dynamo replays
+            # the side effects of the hooks it inlines after its graph by
+            # rebuilding each object it saw mutated (a list the hooks append
+            # to is rewritten whole), which erases what the op's calls did to
+            # the same object: eager's log of unpacks lost the region's (found
+            # by the fuzzer's combined mode). So a region whose inputs were
+            # packed by user hooks runs behind a graph break, after Dynamo has
+            # applied the side effects before it. A region's forward that
+            # mutates what a traced hook mutates is not detected.
             if (
                 group not in self._called
                 and region is not None
-                and not self._traces_unpack_hooks
+                and group not in self._hooked_inputs
                 and recomputable(*region)
             ):
                 _, cell, indices = region
@@ -741,8 +750,8 @@ class _Unpacker:
             if group not in self._called:
                 what = "a checkpoint region's" if group[0] == "checkpoint" else "its"
                 why = "are skipped by Dynamo"
-                if region is not None and self._traces_unpack_hooks:
-                    why = "run beside unpack hooks Dynamo traces"  # see [Note: Side effects beside a region's recompute]
+                if group in self._hooked_inputs:
+                    why = "include yours"  # see [Note: Side effects beside a region's recompute]
                 self._graph_break(node, f"{what} saved tensors' unpack hooks {why}")
                 self._called[group] = self._fx.call_function(
                     ops.call_unpack_hooks_eager,

@@ -28,7 +28,7 @@ Used through this module:
      callbacks; see [Note: Warnings while Dynamo traces].
   8. Non-reentrant ``torch.utils.checkpoint``'s internals: its unpack hooks'
      code objects and their ``frame`` closure cell (the region's
-     ``_CheckpointFrame``), the frame's ``weak_holders`` and ``x_metadatas``
+     ``_CheckpointFrame``), the frame's ``saved_args`` (``SavedTensor.unpack_hook``), ``weak_holders`` and ``x_metadatas``
      (shape, dtype and device of each saved tensor, recorded at pack time by
      ``_default_meta_extractor``); see [Note: Checkpoint regions in the graph]
      in _checkpoint.py.
@@ -110,6 +110,7 @@ __all__ = [
     "FakeBackwardCFunction",
     "call_backward",
     "checkpoint_frame",
+    "checkpoint_inputs_have_hooks",
     "checkpoint_saved_index",
     "checkpoint_saved_metadata",
     "clear_finished_tracked_fakes",
@@ -361,6 +362,19 @@ def checkpoint_frame(hook: object) -> tuple[Any, int] | None:
     if cell is None:
         return None
     return hook.__closure__[cell].cell_contents, cell  # type: ignore[attr-defined]
+
+
+def checkpoint_inputs_have_hooks(frame: Any) -> bool:
+    """8. Whether the region's inputs (the frame's ``saved_args``) were packed by saved_tensors_hooks not checkpoint's.
+
+    An enclosing region's own hooks (a nested checkpoint) do not count.
+    """
+    saved_tensor = torch._C._autograd.SavedTensor
+    for arg in getattr(frame, "saved_args", ()):
+        unpack = getattr(arg, "unpack_hook", None) if isinstance(arg, saved_tensor) else None
+        if unpack is not None and checkpoint_frame(unpack) is None:
+            return True
+    return False
 
 
 def checkpoint_saved_index(frame: Any, packed: object) -> int | None:
