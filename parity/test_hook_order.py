@@ -252,3 +252,42 @@ def test_multi_grad_hook_sees_every_grad_once() -> None:
     )
     (a * b).sum().backward()
     assert seen == [[[3.0, 3.0], [3.0], None]]
+
+
+def test_a_hook_that_removes_a_later_hook_and_registers_another() -> None:
+    # Eager reads a node's hooks when the node runs: y's hook runs first and
+    # swaps x2's hook, so the new one runs and the removed one does not.
+    calls: list[str] = []
+    x = _leaf(1.0, 2.0, 3.0)
+    x2 = x * 2
+    y = x2 * 3
+    old = x2.register_hook(lambda grad: calls.append("old") or grad * 100)
+
+    def swap(grad: torch.Tensor) -> None:
+        calls.append("y")
+        old.remove()
+        x2.register_hook(lambda grad: calls.append("new") or grad * 10)
+
+    y.register_hook(swap)
+    y.sum().backward()
+    assert calls == ["y", "new"]
+    assert torch.equal(x.grad, torch.tensor([60.0, 60.0, 60.0]))
+
+
+def test_a_hook_that_removes_itself_runs_on_the_first_backward_only() -> None:
+    calls: list[str] = []
+    w = _leaf(1.0, 2.0)
+    handles = []
+
+    def once(grad: torch.Tensor) -> torch.Tensor:
+        calls.append("once")
+        handles[0].remove()
+        return grad * 3
+
+    for step in range(3):
+        y = w * 2
+        if step == 0:
+            handles.append(w.register_hook(once))
+        y.sum().backward()
+    assert calls == ["once"]
+    assert torch.equal(w.grad, torch.tensor([10.0, 10.0]))

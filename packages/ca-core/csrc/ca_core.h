@@ -122,6 +122,10 @@ struct NodeState {
   /// It ran for real on this backward with its own saved values (or freed
   /// ones put back); see [Note: Nodes that run for real keep their saved tensors].
   bool ran_for_real = false;
+  /// Its hook registries when the walk visited it
+  /// (torch_private::hook_registry_signature); see [Note: Hooks changed
+  /// while a graph runs].
+  uint64_t hook_signature = 0;
 };
 
 struct ShadowNode;
@@ -171,6 +175,10 @@ struct BackwardState {
   /// (lifted tensor, dim) pairs whose extent changed since the last capture:
   /// marked dynamic before the graph's first run.
   std::vector<std::pair<uint32_t, uint32_t>> dynamic_dims;
+  /// Walk index of the first node with Python objects (hooks, a Function's
+  /// ctx, packed saved data), or -1: no user code runs before it; see
+  /// [Note: Hooks changed while a graph runs].
+  int64_t first_python_node = -1;
   /// Walk index of the first node whose key was new to the cache, or -1.
   int64_t miss_node = -1;
   /// Why that key was new, in words; see [Note: Explained misses].

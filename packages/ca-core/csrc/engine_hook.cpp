@@ -1081,6 +1081,62 @@ std::optional<variable_list> run_graph(BackwardRun& run, nb::object& result) {
   return std::nullopt;
 }
 
+/*
+[Note: Hooks changed while a graph runs]
+The eager engine reads a node's hooks when it runs the node, so a hook that
+registers a hook on a node that runs later, or removes one, changes what that
+node calls. A graph calls the hooks the walk found (its `hooks` input), and a
+hook that Dynamo traces has its registrations applied only after the graph.
+Which hooks a hook will change cannot be known before it runs, so after every
+graph run that called Python (a non-empty `hooks` input) the engine hook
+compares the walked nodes' hook registries with what the walk saw
+(NodeState::hook_signature; torch_private item 12: the number of hooks of each
+kind, and per Python hook dict its size and largest RemovableHandle id). Only
+nodes after the first one with Python objects (BackwardState::
+first_python_node) are compared: no user code ran before that node's hooks, so
+a change to it or to an earlier node came after eager would have read their
+hooks (a hook that removes itself, the one-shot pattern, is such a change;
+one exception is missed: that first node's own hooks registering a grad_fn
+post hook on it, which eager would call). On a change that backward's grads
+are the graph's, which differ from eager's where the changed node ran after
+the change: the runtime warns once (report_hooks_changed), and the entry is
+marked failed, so every later backward of that graph runs on the eager
+engine, which reads the hooks as they are. The capturing backward is not
+eager's then; making it so would need the graph to read each node's hooks
+when it reaches the node, which a graph traced by Dynamo cannot (it applies a
+traced hook's registrations after the graph). A graph without Python objects
+runs no code that could register a hook, and is not checked.
+*/
+
+/// The first walked node whose hooks differ from what the walk saw, or null;
+/// see [Note: Hooks changed while a graph runs].
+const NodeState* node_with_changed_hooks(const BackwardState& state) {
+  if (state.first_python_node < 0) {
+    return nullptr;
+  }
+  for (size_t i = static_cast<size_t>(state.first_python_node) + 1; i < state.nodes.size(); ++i) {
+    const NodeState& ns = state.nodes[i];
+    if (torch_private::hook_registry_signature(*ns.call.node) != ns.hook_signature) {
+      return &ns;
+    }
+  }
+  return nullptr;
+}
+
+/// Reports a change of `changed`'s hooks during the graph that just ran, and
+/// sends the graph's later backwards to the eager engine; see [Note: Hooks
+/// changed while a graph runs].
+void report_changed_hooks(BackwardRun& run, const NodeState& changed) {
+  nb::object report = nb::getattr(run.runtime, "report_hooks_changed", nb::none());
+  if (!report.is_none()) {
+    report(changed.call.node->name());
+  }
+  if (run.entry_alive()) {
+    mark_failed(*run.entry, run.runtime);
+    release_later(run.entry->compiled_fn);
+  }
+}
+
 /// Step 5: the engine's outputs from the graph's `result`; leaf grads
 /// accumulated, saved variables released, final callbacks run.
 variable_list finish(BackwardRun& run, nb::object result) {
@@ -1206,6 +1262,12 @@ variable_list compiled_backward_with_gil(
   nb::object result;
   if (auto done = run_graph(run, result)) {
     return std::move(*done);
+  }
+  if (PyList_GET_SIZE(run.args.hooks.ptr()) > 0) {
+    if (const NodeState* changed = node_with_changed_hooks(*run.state)) {
+      // See [Note: Hooks changed while a graph runs].
+      report_changed_hooks(run, *changed);
+    }
   }
   variable_list outputs = finish(run, std::move(result));
   if (C10_UNLIKELY(run.timed_since.has_value())) {

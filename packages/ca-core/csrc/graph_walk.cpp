@@ -133,6 +133,7 @@ void BackwardState::reset() {
   keep_graph = false;
   accumulate_grad = true;
   create_graph = false;
+  first_python_node = -1;
   leaf_hooks_in_graph = false;
   dynamic_sizes.clear();
   dynamic_dims.clear();
@@ -444,6 +445,10 @@ class GraphWalk {
         }
         CompiledNodeArgs args(*ns.collected, ns.call);
         collect(args, ns, fn);
+        if (state_->first_python_node < 0 &&
+            (!ns.collected->hooks.empty() || !ns.collected->packed_inputs.empty())) {
+          state_->first_python_node = walk_idx;
+        }
         descend(args.key(), ns, fn, walk_idx);
       } catch (const WalkError&) {
         throw;
@@ -520,6 +525,8 @@ class GraphWalk {
       }
     }
     ns.is_accumulate_grad = typeid(*fn) == typeid(AccumulateGrad);
+    // See [Note: Hooks changed while a graph runs] in engine_hook.cpp.
+    ns.hook_signature = torch_private::hook_registry_signature(*fn);
     // See [Note: Recycled walk state].
     if (state_->spare_calls.empty()) {
       ns.collected = std::make_unique<AutogradCompilerCall>(SizeInput::STATIC);

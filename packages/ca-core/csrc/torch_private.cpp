@@ -6,9 +6,12 @@
 #include "tensor_caster.h"
 
 #include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
+#include <torch/csrc/autograd/python_hook.h>
 
 #include <nanobind/stl/string.h>
 
+#include <algorithm>
 #include <cstring>
 #include <typeinfo>
 #include <utility>
@@ -45,6 +48,97 @@ bool is_python_pre_hook(const torch::autograd::FunctionPreHook& hook) {
 
 bool is_python_post_hook(const torch::autograd::FunctionPostHook& hook) {
   return std::strcmp(typeid(hook).name(), "N5torch8autograd18PyFunctionPostHookE") == 0;
+}
+
+namespace {
+
+/// 12. Folds `value` into `signature` (FNV-1a over 64-bit words).
+void fold(uint64_t& signature, uint64_t value) {
+  signature = (signature ^ value) * 0x100000001b3ULL;
+}
+
+/// 12. The dict's size and its largest key: RemovableHandle gives each
+/// registration a new id larger than every earlier one, so an added hook
+/// raises the largest key and a removed one lowers the size (a key that is
+/// not an int is folded by its hash).
+void fold_hook_dict(uint64_t& signature, PyObject* dict) {
+  if (dict == nullptr || !PyDict_Check(dict)) {
+    fold(signature, 0);
+    return;
+  }
+  fold(signature, static_cast<uint64_t>(PyDict_GET_SIZE(dict)));
+  Py_ssize_t pos = 0;
+  PyObject* key = nullptr;
+  PyObject* value = nullptr;
+  uint64_t largest = 0;
+  while (PyDict_Next(dict, &pos, &key, &value)) {
+    uint64_t k = 0;
+    if (PyLong_Check(key)) {
+      k = PyLong_AsUnsignedLongLongMask(key);
+    } else {
+      const Py_hash_t hash = PyObject_Hash(key);
+      if (hash == -1) {
+        PyErr_Clear();
+      }
+      fold(signature, static_cast<uint64_t>(hash));
+      continue;
+    }
+    largest = std::max(largest, k);
+  }
+  fold(signature, largest);
+}
+
+} // namespace
+
+uint64_t hook_registry_signature(const Node& fn) {
+  // A const Node's hook vectors are reached through its non-const accessors.
+  auto& node = const_cast<Node&>(fn);
+  const bool is_accumulate_grad = typeid(fn) == typeid(torch::autograd::AccumulateGrad);
+  torch::autograd::PostAccumulateGradHook* post_acc = nullptr;
+  if (is_accumulate_grad) {
+    const auto& variable = static_cast<const torch::autograd::AccumulateGrad&>(fn).variable;
+    if (variable.defined()) {
+      post_acc = torch::autograd::impl::post_acc_grad_hooks(variable).get();
+    }
+  }
+  if (node.tensor_pre_hooks().empty() && node.retains_grad_hooks().empty() &&
+      node.pre_hooks().empty() && node.post_hooks().empty() && post_acc == nullptr) {
+    return 0;
+  }
+  uint64_t signature = 0xcbf29ce484222325ULL;
+  fold(signature, node.tensor_pre_hooks().size());
+  for (const auto& hook : node.tensor_pre_hooks()) {
+    if (std::strcmp(typeid(*hook).name(), "N5torch8autograd23PyFunctionTensorPreHookE") == 0) {
+      fold_hook_dict(signature, static_cast<const torch::autograd::PyFunctionTensorPreHook&>(*hook).dict);
+    } else {
+      fold(signature, reinterpret_cast<uintptr_t>(hook.get()));
+    }
+  }
+  fold(signature, node.retains_grad_hooks().size());
+  fold(signature, node.pre_hooks().size());
+  for (const auto& hook : node.pre_hooks()) {
+    if (is_python_pre_hook(*hook)) {
+      fold_hook_dict(signature, static_cast<const torch::autograd::PyFunctionPreHook&>(*hook).dict);
+    } else {
+      fold(signature, reinterpret_cast<uintptr_t>(hook.get()));
+    }
+  }
+  fold(signature, node.post_hooks().size());
+  for (const auto& hook : node.post_hooks()) {
+    if (is_python_post_hook(*hook)) {
+      fold_hook_dict(signature, static_cast<const torch::autograd::PyFunctionPostHook&>(*hook).dict);
+    } else {
+      fold(signature, reinterpret_cast<uintptr_t>(hook.get()));
+    }
+  }
+  if (post_acc != nullptr) {
+    if (std::strcmp(typeid(*post_acc).name(), "N5torch8autograd32PyFunctionTensorPostAccGradHooksE") == 0) {
+      fold_hook_dict(signature, static_cast<const torch::autograd::PyFunctionTensorPostAccGradHooks&>(*post_acc).dict);
+    } else {
+      fold(signature, reinterpret_cast<uintptr_t>(post_acc));
+    }
+  }
+  return signature == 0 ? 1 : signature;
 }
 
 bool is_compiled_args_nyi(const c10::NotImplementedError& e) {
@@ -261,6 +355,18 @@ void register_torch_private(nb::module_& m) {
         return true;
       },
       "9. Whether a grad_fn's hooks are all recognised as Python's.");
+  m.def(
+      "_private_hook_registry_signature",
+      [](const at::Tensor& t) {
+        TORCH_CHECK(t.defined(), "needs a tensor");
+        if (t.grad_fn()) {
+          return hook_registry_signature(*t.grad_fn());
+        }
+        auto accumulator = torch::autograd::impl::grad_accumulator(t);
+        TORCH_CHECK(accumulator, "needs a tensor that requires grad");
+        return hook_registry_signature(*accumulator);
+      },
+      "12. The hook fingerprint of a tensor's grad_fn (of its grad accumulator for a leaf).");
   m.def(
       "_private_compiled_args_nyi",
       [](const at::Tensor& t) {

@@ -45,6 +45,12 @@
 //      grad mode a GraphTask runs its nodes with (create_graph), which the
 //      engine hook sets alone instead of the task's whole thread-local
 //      state; see [Note: The hook's grad mode].
+//  12. The `dict` field of torch's Python hooks (PyFunctionTensorPreHook,
+//      PyFunctionPreHook, PyFunctionPostHook, PyFunctionTensorPostAccGradHooks
+//      in torch/csrc/autograd/python_hook.h), told apart by mangled type name
+//      as in item 3, and RemovableHandle's ids as the dicts' keys (each
+//      registration takes a new, larger id): a fingerprint of a node's hook
+//      registries; see [Note: Hooks changed while a graph runs].
 // Internal but public in the headers, and used directly where needed:
 // GraphTask's fields (exec_info_, dependencies_, final_callbacks_,
 // keep_graph_, thread_locals_), Engine::set_compiled_autograd and
@@ -114,6 +120,12 @@ void clear_compiler_call(torch::dynamo::autograd::AutogradCompilerCall& call);
 bool grad_mode_of(const at::ThreadLocalState& state);
 /// 11. The grad mode `graph_task` runs its nodes with: create_graph.
 bool task_grad_mode(const torch::autograd::GraphTask& graph_task);
+
+/// 12. A fingerprint of every hook registered on `fn` (tensor pre-hooks,
+/// retain_grad hooks, grad_fn pre/post hooks, an AccumulateGrad's
+/// post-accumulate-grad hooks): it changes when a hook is registered or
+/// removed there. 0 for a node without hooks. Needs the GIL.
+uint64_t hook_registry_signature(const torch::autograd::Node& fn);
 
 /// 8. Re-emits the warnings `handler` held back (DelayWarningHandler::
 /// replay_warnings, which libtorch does not export); returns how many.

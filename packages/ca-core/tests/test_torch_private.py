@@ -127,3 +127,31 @@ def test_8_warnings_held_by_the_eager_fallback_are_replayed_once() -> None:
 @pytest.mark.parametrize("create_graph", [False, True])
 def test_11_a_graph_tasks_grad_mode_is_readable(create_graph: bool) -> None:
     assert _C._private_task_grad_mode(create_graph) is create_graph
+
+
+def test_12_hook_registry_signature_changes_with_each_registration_and_removal() -> None:
+    x = torch.randn(2, requires_grad=True)
+    y = x * 3
+    assert _C._private_hook_registry_signature(y) == 0  # no hooks
+    first = y.register_hook(lambda g: g)
+    one = _C._private_hook_registry_signature(y)
+    assert one != 0
+    assert _C._private_hook_registry_signature(y) == one  # reading it changes nothing
+    first.remove()
+    y.register_hook(lambda g: g)  # same number of hooks, a new RemovableHandle id
+    assert _C._private_hook_registry_signature(y) not in (0, one)
+    for register in (
+        lambda: y.grad_fn.register_prehook(lambda go: None),
+        lambda: y.grad_fn.register_hook(lambda gi, go: None),
+        y.retain_grad,
+    ):
+        before = _C._private_hook_registry_signature(y)
+        register()
+        assert _C._private_hook_registry_signature(y) != before
+    # A leaf: its grad accumulator's hooks, post-accumulate-grad hooks included.
+    leaf_before = _C._private_hook_registry_signature(x)
+    handle = x.register_post_accumulate_grad_hook(lambda p: None)
+    with_post = _C._private_hook_registry_signature(x)
+    assert with_post != leaf_before
+    handle.remove()
+    assert _C._private_hook_registry_signature(x) != with_post

@@ -592,3 +592,88 @@ def test_a_hook_returning_what_eager_refuses_raises_eagers_error(backend: str, c
         )
     assert result.stats["eager_fallbacks"] == 0
     assert result.stats["captures"] + result.stats["cache_hits"] == 4, result.stats
+
+
+def _hook_that_changes_a_later_nodes_hooks(i: int) -> tuple[list[str], torch.Tensor]:
+    """Issue 36: b's hook removes a's hook and registers another one; a's node runs after b's."""
+    calls: list[str] = []
+    x = torch.ones(3, requires_grad=True)
+    a = x * 2
+    b = a * 3
+    old = a.register_hook(lambda g: calls.append("old") or g * 100)
+
+    def on_b(g: torch.Tensor) -> torch.Tensor:
+        calls.append("b")
+        old.remove()
+        a.register_hook(lambda g: calls.append("new") or g * 10)
+        return g
+
+    b.register_hook(on_b)
+    b.sum().backward()
+    return calls, x.grad
+
+
+def test_a_hook_that_changes_later_hooks_warns_and_later_backwards_run_eagerly(backend: str) -> None:
+    """See [Note: Hooks changed while a graph runs]: the first backward is the graph's, then eager's."""
+    with pytest.warns(ca_runtime.EagerFallbackWarning, match="registered or removed hooks") as caught:
+        result = compare(_hook_that_changes_a_later_nodes_hooks, backend, steps=3)
+    assert sum("registered or removed hooks" in str(w.message) for w in caught) == 1
+    # The capturing backward ran the hooks found by the walk ("old": grads 600, not 60).
+    assert {d.name for d in result.mismatches} == {"step0.return[1]", "step0.return[2]"}  # "old", the grad
+    assert result.stats["captures"] == 1
+    assert result.stats["eager_fallbacks"] == 2
+    (entry,) = [e for e in ca_runtime.cache_info() if e.failed]
+    assert "registered or removed hooks" in entry.failure
+
+
+def test_a_hook_that_registers_hooks_outside_its_graph_changes_nothing(backend: str) -> None:
+    """A hook registered from a hook on another graph's tensor is no change to this graph's hooks."""
+    elsewhere = torch.ones(2, requires_grad=True) * 2
+
+    def step(i: int) -> tuple[list[str], torch.Tensor]:
+        calls: list[str] = []
+        x = torch.ones(3, requires_grad=True)
+        y = x * 2
+
+        def register_elsewhere(grad: torch.Tensor) -> None:
+            calls.append("y")
+            elsewhere.register_hook(lambda e: e)
+
+        y.register_hook(register_elsewhere)
+        (y * y).sum().backward()
+        return calls, x.grad
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ca_runtime.EagerFallbackWarning)
+        result = compare(step, backend, steps=3)
+    result.assert_ok()
+    assert result.stats["captures"] == 1
+    assert result.stats["cache_hits"] == 2
+    assert result.stats["eager_fallbacks"] == 0
+
+
+def test_a_hook_that_removes_itself_is_no_change(backend: str) -> None:
+    """The one-shot pattern: a change to the first node with Python hooks came after eager read them."""
+    w = torch.ones(2, requires_grad=True)
+
+    def step(i: int) -> tuple[list[str], torch.Tensor]:
+        calls: list[str] = []
+        y = w * 2
+        handles = []
+
+        def once(grad: torch.Tensor) -> torch.Tensor:
+            calls.append("once")
+            handles[0].remove()
+            return grad * 3
+
+        handles.append(y.register_hook(once))
+        (y * y).sum().backward()
+        return calls, w.grad.clone()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ca_runtime.EagerFallbackWarning)
+        result = compare(step, backend, tensors=[w], steps=3)
+    result.assert_ok()
+    assert result.stats["captures"] == 2  # w.grad None, then defined
+    assert result.stats["cache_hits"] == 1
+    assert result.stats["eager_fallbacks"] == 0

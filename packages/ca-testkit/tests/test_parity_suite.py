@@ -46,7 +46,12 @@ BY_DESIGN: dict[str, str] = {
 }
 
 #: Differences that are ca bugs, reported and not fixed yet: test id -> the bug. Remove an entry once fixed.
-KNOWN_BUGS: dict[str, str] = {}
+KNOWN_BUGS: dict[str, str] = {
+    # Issue 36; see [Note: Hooks changed while a graph runs]. Warned; later backwards of the graph run eagerly.
+    "parity/test_hook_order.py::test_a_hook_that_removes_a_later_hook_and_registers_another": (
+        "the capturing backward calls the hooks the walk found, not those a hook changed while it ran"
+    ),
+}
 
 _NO_BACKWARD = "no backward runs"
 _USERS_ERROR = "the walk meets the user's error; eager raises it, nothing is captured"

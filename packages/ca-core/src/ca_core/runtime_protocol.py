@@ -50,6 +50,9 @@ class EngineRuntime(Protocol):
     # Optional: ``eager_if_faster: bool`` (read at install) and
     # ``report_choice(entry_id, eager, compiled_s, eager_s, compiled_over_eager) -> None``; see
     # [Note: Eager when it is faster] in hit_choice.h.
+    # Optional: ``report_hooks_changed(node: str) -> None``, called after a graph
+    # run during which a hook changed the hooks of ``node``; see [Note: Hooks
+    # changed while a graph runs] in engine_hook.cpp.
 
     def report_fallback(self, node: str, reason: str) -> None:
         """Warn that this backward runs eagerly because ``node`` failed for ``reason``."""

@@ -207,8 +207,11 @@ class DirectDynamoCall:
         #: The backend Dynamo stores on the entries ``compiled`` makes (as
         #: Dynamo's lookup derives it from the callback).
         self.backend = eval_frame.innermost_backend(compiled.dynamo_ctx.callback)
-        #: Per transformed code seen: its function, or None if not direct-callable.
-        self._functions: dict[types.CodeType, types.FunctionType | None] = {}
+        #: Per transformed code seen, by id (a code object whose constants
+        #: include a dict, as Dynamo's replay of a hook registered by a hook
+        #: has, cannot be hashed): the code, kept alive so that its id stays
+        #: its own, and its function, or None if not direct-callable.
+        self._functions: dict[int, tuple[types.CodeType, types.FunctionType | None]] = {}
         #: A call returned: the graph's first run (run_first judges its failures) is over.
         self._ran_once = False
         #: A recompile failed; see [Note: A recompile that fails on a hit].
@@ -217,14 +220,13 @@ class DirectDynamoCall:
         self._frame_id: int | None = None
 
     def _function_for(self, code: types.CodeType) -> types.FunctionType | None:
-        try:
-            return self._functions[code]
-        except KeyError:
-            pass
+        known = self._functions.get(id(code))
+        if known is not None:
+            return known[1]
         if len(self._functions) >= _MAX_CODES:
             self._functions.clear()  # recompiled more than Dynamo's own limit: start over
         function = types.FunctionType(code, self._globals, "forward") if _runs_one_graph(code) else None
-        self._functions[code] = function
+        self._functions[id(code)] = (code, function)
         return function
 
     def __call__(self, inputs: list[Any], sizes: list[Any], scalars: list[Any], hooks: list[Any]) -> Any:

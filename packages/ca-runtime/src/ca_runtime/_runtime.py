@@ -468,6 +468,24 @@ class Runtime:
         self._records.failed_first_run = None
         self._fallback(node, reason, record)
 
+    def report_hooks_changed(self, node: str) -> None:
+        """Warn that a hook changed ``node``'s hooks while a compiled graph ran.
+
+        See [Note: Hooks changed while a graph runs] in ca_core: this
+        backward ran the hooks registered when it started, and its graph's
+        later backwards run on the eager engine (ca_core marks the entry failed).
+        """
+        reason = "a hook registered or removed hooks of the graph's nodes while it ran"
+        self.last_failure = f"{node}: {reason}"
+        records.record_fallback(self.compiler_key, node, reason, None)
+        message = (
+            f"ca_runtime: {reason} ({node}); this backward called the hooks registered when it started, "
+            "where eager calls the changed ones, so its grads may differ from eager's; "
+            "later backwards of this graph run on the eager engine"
+        )
+        log.info(message)
+        warn_at_user_line(message, EagerFallbackWarning)
+
     def proxy_call_backward(
         self,
         inputs: tuple[torch.Tensor | None, ...],
