@@ -119,7 +119,7 @@ def fuzz(session: nox.Session) -> None:
     """The fuzzer at full budget: 30,000 programs, each a sequence of backwards (10,000 per run).
 
     Backends eager and aot_eager, then the combined mode (saved-tensor hooks,
-    Functions, double backward) with backend none. Prints the wall time of
+    save_on_cpu, multi-grad hooks, Functions, double backward) with backend none. Prints the wall time of
     each run. Hours on 2 cores; ``nox -s fuzz -- --examples N`` changes the
     budget per run.
     """

@@ -74,6 +74,28 @@ def test_the_combined_mode_draws_each_feature() -> None:
     draw()
     assert any(p.saved_hooks for p in drawn) and any(p.double for p in drawn)
     assert any(step.op in fuzz.COMBINED_OPS for p in drawn for step in p.steps)
+    assert any(p.save_on_cpu for p in drawn)
+    assert {p.multi_mode for p in drawn if p.multi_hook} == {"all", "any"}
+
+
+@pytest.mark.parametrize("mode", ["all", "any"])
+def test_save_on_cpu_and_a_multi_grad_hook(mode: str) -> None:
+    """save_on_cpu inside the logging hooks, a multi-grad hook over a leaf and two step outputs."""
+    program = fuzz.Program(
+        (True, True),
+        (fuzz.Step("mul", (0, 1), "observe"), fuzz.Step("checkpoint", (2, 0)), fuzz.Step("tanh", (1,))),
+        (3, 4),
+        saved_hooks=True,
+        save_on_cpu=True,
+        multi_hook=(0, 2, 4),
+        multi_mode=mode,
+        variants=(fuzz.Variant(), fuzz.Variant(rows=5), fuzz.Variant(hooks=False)),
+    )
+    _, log = fuzz.run_program(program)
+    assert any(entry.startswith(f"multi {mode}") for entry in log)
+    assert not any(entry.startswith("pack") for entry in log)  # save_on_cpu's hooks are the innermost
+    result = fuzz.check_program(program, "eager")
+    assert result.ok, result.report()
 
 
 @pytest.mark.parametrize("op", ["checkpoint", "function", "setup_function"])

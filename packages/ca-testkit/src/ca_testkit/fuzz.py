@@ -23,7 +23,9 @@ failing run exactly, with its backend, and prints both hook logs.
 The combined mode (``--combined``) also draws what autograd's features do
 together: a forward under ``saved_tensors_hooks`` whose pack and unpack
 hooks log each call (so that an unpack run twice, or not at all, is a
-mismatch), a custom Function written with ``setup_context`` and
+mismatch), or under ``save_on_cpu``, or both, a
+``register_multi_grad_hook`` (mode ``"all"`` or ``"any"``) over a few pool
+tensors, a custom Function written with ``setup_context`` and
 ``once_differentiable``, and a double backward (``autograd.grad`` with
 ``create_graph=True``, then a backward of the grads' sum), on top of the
 checkpoint regions, Functions and hooks of every program.
@@ -37,7 +39,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.utils.checkpoint
@@ -235,6 +237,13 @@ class Program:
     saved_hooks: bool = False
     #: The backward is a double backward: grad(create_graph=True), then backward of the grads (combined mode).
     double: bool = False
+    #: The forward runs under ``torch.autograd.graph.save_on_cpu`` (inside the
+    #: logging hooks if both: the innermost hooks pack) (combined mode).
+    save_on_cpu: bool = False
+    #: Pool tensors given to one ``register_multi_grad_hook`` after the forward (combined mode).
+    multi_hook: tuple[int, ...] = ()
+    #: Its mode: ``"all"`` or ``"any"``.
+    multi_mode: Literal["all", "any"] = "all"
 
     def literal(self) -> str:
         """The constructor call that rebuilds this program."""
@@ -244,7 +253,8 @@ class Program:
             f"    roots={self.roots!r}, seed={self.seed!r}, leaf_hooks={self.leaf_hooks!r},\n"
             f"    module_hook={self.module_hook!r}, backwards={self.backwards!r},\n"
             f"    variants=({''.join(f'{v!r}, ' for v in self.variants)}),\n"
-            f"    saved_hooks={self.saved_hooks!r}, double={self.double!r})"
+            f"    saved_hooks={self.saved_hooks!r}, double={self.double!r},\n"
+            f"    save_on_cpu={self.save_on_cpu!r}, multi_hook={self.multi_hook!r}, multi_mode={self.multi_mode!r})"
         )
 
     def listing(self) -> list[str]:
@@ -265,6 +275,11 @@ class Program:
         )
         if self.saved_hooks:
             lines.append("#   the forward runs under logging saved_tensors_hooks")
+        if self.save_on_cpu:
+            lines.append("#   the forward runs under save_on_cpu")
+        if self.multi_hook:
+            tensors = ", ".join(f"t{i}" for i in self.multi_hook)
+            lines.append(f"#   register_multi_grad_hook([{tensors}], mode={self.multi_mode!r})")
         if self.module_hook:
             lines.append("#   lin has a full backward hook")
         return lines
@@ -320,12 +335,22 @@ def run_program(program: Program, index: int = 0) -> tuple[list[torch.Tensor | N
         if program.module_hook:
             lin.register_full_backward_hook(_logging_module_hook(log))
     pool: list[torch.Tensor] = list(leaves)
-    with _saved_tensors_hooks(log) if program.saved_hooks else contextlib.nullcontext():
+    with contextlib.ExitStack() as forward_context:
+        if program.saved_hooks:
+            forward_context.enter_context(_saved_tensors_hooks(log))
+        if program.save_on_cpu:
+            forward_context.enter_context(torch.autograd.graph.save_on_cpu())
         for k, step in enumerate(program.steps):
             out = ALL_OPS[step.op].fn(*(pool[j] for j in step.args), weight, lin, variant.scalar)
             if variant.hooks and step.hook and out.grad_fn is not None:
                 _attach_hook(out, step.hook, f"h{k}", log)
             pool.append(out)
+    if variant.hooks and program.multi_hook:
+        watched = [pool[i] for i in program.multi_hook if pool[i].requires_grad]
+        if watched:
+            torch.autograd.graph.register_multi_grad_hook(
+                watched, _logging_multi_hook(log, program.multi_mode), mode=program.multi_mode
+            )
     roots = [pool[r].sum() for r in program.roots if pool[r].requires_grad]
     for b in range(program.backwards if roots else 0):
         retain = b + 1 < program.backwards
@@ -401,6 +426,16 @@ def _logging_acc_hook(log: list[str], name: str) -> Callable[[torch.Tensor], Non
     return hook
 
 
+def _logging_multi_hook(log: list[str], mode: str) -> Callable[[Any], None]:
+    def hook(grads: Any) -> None:
+        if mode == "any":  # one grad: the first that was computed
+            log.append(f"multi any {tuple(grads.shape)}")
+        else:
+            log.append(f"multi all {[None if g is None else tuple(g.shape) for g in grads]}")
+
+    return hook
+
+
 def _logging_module_hook(log: list[str]) -> Callable[..., None]:
     def hook(module: Any, grad_input: Any, grad_output: Any) -> None:
         log.append(f"module {[None if g is None else tuple(g.shape) for g in grad_input]}")
@@ -451,6 +486,13 @@ def programs(max_steps: int = 8, max_variants: int = 4, combined: bool = False) 
             variants=tuple(variants),
             saved_hooks=combined and draw(st.booleans()),
             double=combined and draw(st.booleans()),
+            save_on_cpu=combined and draw(st.sampled_from([False, False, True])),
+            multi_hook=(
+                tuple(sorted(draw(st.sets(st.integers(0, total - 1), min_size=1, max_size=3))))
+                if combined and draw(st.booleans())
+                else ()
+            ),
+            multi_mode=draw(st.sampled_from(["all", "any"])) if combined else "all",
         )
 
     return build()
