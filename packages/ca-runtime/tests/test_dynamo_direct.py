@@ -377,40 +377,98 @@ def test_a_recompile_that_fails_on_a_hit_runs_the_graph_uncompiled(
     assert warned[0].filename == __file__  # the user's backward() line
 
 
-def test_a_recompile_that_fails_after_part_of_the_graph_ran_is_raised(
-    backend: str, cpp_ext: types.ModuleType
+def _fails_after_the_first_compile(backend: str) -> Callable[[torch.fx.GraphModule], Any]:
+    """A compiler whose Dynamo backend is ``backend`` for the first frame Dynamo compiles, then raises."""
+    compiles = [0]
+
+    def fails_after_the_first(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        compiles[0] += 1
+        if compiles[0] >= 2:
+            raise RuntimeError("backend broke")
+        return torch._dynamo.lookup_backend(backend)(gm, example_inputs)
+
+    return lambda gm: torch.compile(gm, backend=fails_after_the_first)
+
+
+def test_a_recompile_that_fails_after_part_of_the_graph_ran_runs_that_part_uncompiled(
+    backend: str, cpp_ext: types.ModuleType, recwarn: pytest.WarningsRecorder
 ) -> None:
-    """Behind a Dynamo graph break (an untraceable C++ Function) the resume code recompiles after a hook ran: raised, not run twice."""
+    """See [Note: A later frame that fails to compile]: behind a Dynamo graph break (an untraceable
+    C++ Function) the resume code recompiles after a hook ran and fails; it runs uncompiled, hooks once."""
     x = torch.randn(3, 4, requires_grad=True)
     w = torch.randn(4, requires_grad=True)
     compiler, broken, _ = _breakable(backend)
-    calls: list[str] = []
     factor = [2.0]
 
-    def before_break(grad: torch.Tensor) -> torch.Tensor:
-        calls.append("before")
-        return grad
+    def step(i: int) -> list[Any]:
+        calls: list[str] = []
+        factor[0] = 2.0 if i < 2 else 5.0  # Dynamo guards on it in the resume code only
+        broken[0] = i >= 2
+        x.grad = w.grad = None
+        scaled = w * 1.0
+        scaled.register_hook(lambda grad: calls.append("after") or grad * factor[0])
+        out = cpp_ext.scaled_mul(x, scaled, 0.5, False)
+        out.register_hook(lambda grad: calls.append("before") or grad)
+        out.pow(2).sum().backward()
+        return [calls, x.grad.clone(), w.grad.clone()]
 
-    def after_break(grad: torch.Tensor) -> torch.Tensor:
-        calls.append("after")
-        return grad * factor[0]  # Dynamo guards on it in the resume code only
+    result = compare(step, compiler, steps=4)
+    result.assert_ok()
+    stats = result.stats
+    assert stats["captures"] == 1 and stats["cache_hits"] == 3 and stats["eager_fallbacks"] == 0, stats
+    assert stats["graph_breaks"] > 0
+    warned = [w for w in recwarn if "behind a Dynamo graph break failed" in str(w.message)]
+    assert len(warned) == 1 and "backend broke" in str(warned[0].message)
+    assert warned[0].filename == __file__  # the user's backward() line
 
-    with ca_runtime.enable(compiler):
-        for i in range(3):
-            factor[0] = 2.0 if i < 2 else 5.0
-            broken[0] = i >= 2
-            x.grad = w.grad = None
-            scaled = w * 1.0
-            scaled.register_hook(after_break)
-            out = cpp_ext.scaled_mul(x, scaled, 0.5, False)
-            out.register_hook(before_break)
-            calls.clear()
-            if i < 2:
-                out.pow(2).sum().backward()
-                assert calls == ["before", "after"]
-            else:
-                with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="backend broke"):
-                    out.pow(2).sum().backward()
-                assert calls == ["before"]
-    stats = ca_runtime.stats()
-    assert stats["captures"] == 1 and stats["graph_breaks"] > 0 and stats["uncompiled_runs"] == 0, stats
+
+def test_a_hook_whose_own_frame_fails_to_compile_on_the_first_run_runs_uncompiled(
+    backend: str, recwarn: pytest.WarningsRecorder
+) -> None:
+    """A hook with a Dynamo graph break inside is compiled as a frame of its own; its compile
+    failing is no error of the user's: the hook runs once, uncompiled, and nothing runs twice."""
+
+    def step(i: int) -> list[Any]:
+        calls: list[str] = []
+        w = torch.linspace(0.5, 1.5, 3, requires_grad=True)
+        a = w * 2
+
+        def hook(grad: torch.Tensor) -> torch.Tensor:
+            calls.append("hook")
+            torch._dynamo.graph_break()
+            return grad * 3
+
+        a.register_hook(hook)
+        (a * a).sum().backward()
+        return [calls, w.grad]
+
+    result = compare(step, _fails_after_the_first_compile(backend), steps=3)
+    result.assert_ok()
+    assert result.stats["captures"] == 1 and result.stats["cache_hits"] == 2, result.stats
+    assert result.stats["eager_fallbacks"] == 0
+    warned = [w for w in recwarn if "behind a Dynamo graph break failed" in str(w.message)]
+    assert len(warned) == 1 and "backend broke" in str(warned[0].message)
+
+
+def test_a_resume_frame_that_fails_on_the_first_run_does_not_run_hooks_twice(
+    backend: str, recwarn: pytest.WarningsRecorder
+) -> None:
+    """Behind our graph break (retain_grad's C++ hook), the first run's resume code fails to compile."""
+
+    def step(i: int) -> list[Any]:
+        calls: list[str] = []
+        w = torch.linspace(0.5, 1.5, 3, requires_grad=True)
+        a = w * 2
+        a.retain_grad()
+        b = a * 3
+        b.register_hook(lambda grad: calls.append("before") or grad)
+        a.register_hook(lambda grad: calls.append("after") or grad * 2)
+        (b * b).sum().backward()
+        return [calls, w.grad, a.grad]
+
+    result = compare(step, _fails_after_the_first_compile(backend), steps=2)
+    result.assert_ok()
+    assert result.stats["captures"] == 1 and result.stats["graph_breaks"] > 0, result.stats
+    assert result.stats["eager_fallbacks"] == 0
+    warned = [w for w in recwarn if "behind a Dynamo graph break failed" in str(w.message)]
+    assert len(warned) == 1

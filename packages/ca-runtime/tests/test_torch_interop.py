@@ -317,3 +317,45 @@ def test_08_checkpoint_inputs_packed_by_user_hooks() -> None:
     with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
         hooked = torch.utils.checkpoint.checkpoint(lambda a: (a * 2).sin(), x, use_reentrant=False)
     assert _torch_interop.checkpoint_inputs_have_hooks(frame_of(hooked))
+
+
+def test_18_a_later_frame_that_fails_to_compile_runs_uncompiled(caplog: pytest.LogCaptureFixture) -> None:
+    """See [Note: A later frame that fails to compile]: the first frame's compile is not suppressed, later ones are."""
+    compiled_frames: list[int] = []
+
+    def fails_after_the_first(gm: torch.fx.GraphModule, example_inputs: list[object]) -> object:
+        compiled_frames.append(1)
+        if len(compiled_frames) >= 2:
+            raise RuntimeError("backend broke")
+        return gm.forward
+
+    def helper(t: torch.Tensor) -> torch.Tensor:
+        torch._dynamo.graph_break()
+        return t * 3
+
+    def fn(t: torch.Tensor) -> torch.Tensor:
+        return helper(t + 1) - 1
+
+    errors: list[BaseException] = []
+    prior = torch._dynamo.config.suppress_errors
+    with _torch_interop.later_frames_run_uncompiled_on_failure(None, errors):
+        out = torch.compile(fn, backend=fails_after_the_first)(torch.ones(2))
+    assert torch.equal(out, torch.full((2,), 5.0))
+    assert len(errors) >= 1 and "backend broke" in str(errors[0])
+    assert torch._dynamo.config.suppress_errors is prior
+    assert not [r for r in caplog.records if r.name == "torch._dynamo.convert_frame" and r.exc_info]
+    # Without it, Dynamo raises the later frame's failure.
+    torch._dynamo.reset()
+    compiled_frames.clear()
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="backend broke"):
+        torch.compile(fn, backend=fails_after_the_first)(torch.ones(2))
+    torch._dynamo.reset()
+    # The first frame's own failure is not suppressed.
+    compiled_frames.append(1)
+    with (
+        pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="backend broke"),
+        _torch_interop.later_frames_run_uncompiled_on_failure(None, errors),
+    ):
+        torch.compile(fn, backend=fails_after_the_first)(torch.ones(2))
+    assert torch._dynamo.config.suppress_errors is prior
+    torch._dynamo.reset()

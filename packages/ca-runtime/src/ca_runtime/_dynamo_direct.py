@@ -47,6 +47,28 @@ computation as Dynamo's:
 Anything else calls the ``OptimizedModule`` as before; see [Note: A
 recompile that fails on a hit] for when that call's compile fails.
 
+[Note: A later frame that fails to compile]
+Behind a Dynamo graph break (an untraceable call in the graph, a hook that
+Dynamo cannot trace through) Dynamo compiles more frames while the graph
+runs: the hook's own frame, the resume function that continues the graph.
+When one of those compiles fails, part of the graph and its hooks already
+ran, so neither answer for a failed graph fits: the eager engine would run
+those hooks a second time, and raising (Dynamo's default) ends the user's
+training step with an error of a compiler, not theirs. So for each call of
+the OptimizedModule, once a frame other than the graph's own starts to
+compile, Dynamo's ``suppress_errors`` is on until the call returns
+(torch_interop item 18): the frame that fails runs uncompiled (Dynamo skips
+its code from then on, so later backwards run it uncompiled without trying
+again), the rest of the graph goes on, every hook runs once, and the
+backward's results are those of the graph's own ops. Dynamo's log record of
+the error is taken off its log, and one ``EagerFallbackWarning`` per graph
+names it. The graph's own frame is never suppressed: its failure is the
+first run's (the backward runs eagerly, before any hook ran) or [Note: A
+recompile that fails on a hit]'s. While the call runs, a compile on another
+thread also sees ``suppress_errors`` on (Dynamo's config is process-wide);
+such a compile that fails runs its frame uncompiled and logs a warning,
+where it would have raised.
+
 [Note: A recompile that fails on a hit]
 On a cache hit Dynamo may recompile the graph (a guard failed: a hook's
 closure value changed, a size went dynamic). If that compile fails, the
@@ -62,10 +84,11 @@ graph ran), the graph runs uncompiled, ``EagerFallbackWarning`` says why once
 per graph, and every later call whose guards no compiled entry passes runs
 uncompiled too instead of compiling again (each attempt is a whole Dynamo
 trace that would fail the same way). Such calls count in
-``stats()["uncompiled_runs"]``. A failure in another frame's compile (a
-resume function behind a Dynamo graph break, reached after part of the
-graph and its hooks ran), or one without a compile id, is raised as before:
-running the graph again would run those hooks twice. While ``torch.profiler``
+``stats()["uncompiled_runs"]``. A failure in another frame's compile runs
+that frame uncompiled instead; see [Note: A later frame that fails to
+compile]. One that Dynamo raises all the same (not a compile error), or one
+without a compile id, is raised: running the graph again would run the
+hooks that already ran twice. While ``torch.profiler``
 records, the direct call is wrapped in the "Torch-Compiled Region: <compile
 id>" range Dynamo puts around a hit; its "TorchDynamo Cache Lookup" range is
 not there (the lookup is ours). Differential tests run every
@@ -88,7 +111,11 @@ from torch.nn.modules.module import _has_any_global_hook
 
 from ca_runtime._graph_ops import USER_ERROR_TAG
 from ca_runtime._log import EagerFallbackWarning, describe_error, log, warn_at_user_line
-from ca_runtime._torch_interop import compiled_frame_id, failed_compile_frame_id
+from ca_runtime._torch_interop import (
+    compiled_frame_id,
+    failed_compile_frame_id,
+    later_frames_run_uncompiled_on_failure,
+)
 
 __all__ = [
     "DirectDynamoCall",
@@ -188,6 +215,7 @@ class DirectDynamoCall:
         "_frame_id",
         "_functions",
         "_globals",
+        "_later_frames_failed",
         "_ran_once",
         "_recompile_failed",
         "backend",
@@ -218,6 +246,8 @@ class DirectDynamoCall:
         self._recompile_failed = False
         #: Dynamo's id of the graph's frame (its compile ids' frame_id), known after the first run.
         self._frame_id: int | None = None
+        #: A frame after the graph's own failed to compile and ran uncompiled (warned once).
+        self._later_frames_failed = False
 
     def _function_for(self, code: types.CodeType) -> types.FunctionType | None:
         known = self._functions.get(id(code))
@@ -274,19 +304,26 @@ class DirectDynamoCall:
                     return function(self.gm, inputs, sizes, scalars, hooks)
         if self._recompile_failed:
             return self._run_uncompiled(inputs, sizes, scalars, hooks)
+        # See [Note: A later frame that fails to compile].
+        later_failures: list[BaseException] = []
         if not self._ran_once:
-            outputs = self.compiled(inputs, sizes, scalars, hooks)
+            with later_frames_run_uncompiled_on_failure(None, later_failures):
+                outputs = self.compiled(inputs, sizes, scalars, hooks)
             self._ran_once = True
             self._frame_id = compiled_frame_id(self._code)
+            self._warn_later_failures(later_failures)
             return outputs
         try:
-            return self.compiled(inputs, sizes, scalars, hooks)
+            with later_frames_run_uncompiled_on_failure(self._frame_id, later_failures):
+                outputs = self.compiled(inputs, sizes, scalars, hooks)
+            self._warn_later_failures(later_failures)
+            return outputs
         except Exception as e:
             # The tag stays for ca_core, which takes it off (see [Note: User errors are tagged]).
             if getattr(e, USER_ERROR_TAG, False) is True or self._frame_id is None:
                 raise
             if failed_compile_frame_id(e) != self._frame_id:
-                raise  # not our graph's frame: a resume function's, reached after part of the graph ran
+                raise  # another frame's, which Dynamo did not let run uncompiled: part of the graph ran
             self._recompile_failed = True
             warn_at_user_line(
                 "ca_runtime: recompiling a cached backward graph failed (" + describe_error(e) + "); "
@@ -295,6 +332,18 @@ class DirectDynamoCall:
             )
             log.debug("recompile failure", exc_info=True)
         return self._run_uncompiled(inputs, sizes, scalars, hooks)
+
+    def _warn_later_failures(self, failures: list[BaseException]) -> None:
+        """One warning per graph for frames after its own that ran uncompiled; see [Note: A later frame that fails to compile]."""
+        if not failures or self._later_frames_failed:
+            return
+        self._later_frames_failed = True
+        warn_at_user_line(
+            "ca_runtime: compiling the part of a backward graph behind a Dynamo graph break failed ("
+            + describe_error(failures[0])
+            + "); that part runs uncompiled, in this backward and later ones",
+            EagerFallbackWarning,
+        )
 
     def _run_uncompiled(
         self, inputs: list[Any], sizes: list[Any], scalars: list[Any], hooks: list[Any]

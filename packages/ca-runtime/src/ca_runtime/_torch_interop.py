@@ -69,6 +69,12 @@ Used through this module:
      (``exc.get_exc_message``) and the ``compile_id.frame_id`` of a code's
      cache entries: which frame's compile failed; see [Note: A recompile
      that fails on a hit] in _dynamo_direct.py.
+  18. ``torch._dynamo.config.suppress_errors``, read by Dynamo's
+     ``ConvertFrame`` when a compile fails, ``CompileContext.current_compile_id()``
+     in a compile start callback (item 7), and the ``torch._dynamo.convert_frame``
+     logger's record of a suppressed error: a frame after the graph's own
+     that fails to compile runs uncompiled; see [Note: A later frame that
+     fails to compile] in _dynamo_direct.py.
 Used in place, because they are what the module is about:
   6. AOTAutograd's ``CompiledFunction`` internals in _aot.py (``_aot_id``,
      ``_bw_prologue_fn``, ``metadata``, ``maybe_subclass_metadata``,
@@ -95,6 +101,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import linecache
+import logging
+import threading
 import types
 import warnings
 import weakref
@@ -121,6 +129,7 @@ __all__ = [
     "forget_metric_stacks",
     "forget_sources_with",
     "keep_hook_across_torch_disable",
+    "later_frames_run_uncompiled_on_failure",
     "rearm_torch_compiled_autograd",
     "register_ca_logs",
     "release_dynamo_state",
@@ -323,6 +332,65 @@ def warnings_ignored_while_dynamo_compiles() -> Iterator[None]:
         callback_handler.remove_start_callback(start)
         callback_handler.remove_end_callback(end)
         end(None)
+
+
+class _SuppressedCompileErrors(logging.Filter):
+    """18. Takes Dynamo's log record of each suppressed compile error off the log, keeping the error."""
+
+    def __init__(self, errors: list[BaseException]) -> None:
+        super().__init__()
+        self.errors = errors
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.WARNING and record.exc_info is not None:
+            error = record.exc_info[1]
+            self.errors.append(error if error is not None else RuntimeError(record.getMessage()))
+            return False
+        return True
+
+
+@contextlib.contextmanager
+def later_frames_run_uncompiled_on_failure(
+    own_frame_id: int | None, errors: list[BaseException]
+) -> Iterator[None]:
+    """18. Inside, on this thread: once Dynamo compiles a frame other than ``own_frame_id``
+    (the first frame compiled inside, when None), a compile that fails runs its
+    frame uncompiled, its error appended to ``errors``.
+
+    See [Note: A later frame that fails to compile] in _dynamo_direct.py.
+    Dynamo reads ``suppress_errors`` after the failed compile's end callbacks
+    ran, so it stays set from that compile's start to the context's end.
+    """
+    from torch._dynamo.callback import callback_handler
+
+    thread = threading.get_ident()
+    own = [own_frame_id]
+    config: Any = torch._dynamo.config
+    logger = logging.getLogger("torch._dynamo.convert_frame")
+    suppressing: list[tuple[bool, _SuppressedCompileErrors]] = []
+
+    def start(args: Any) -> None:
+        if threading.get_ident() != thread or suppressing:
+            return
+        frame_id = getattr(torch._guards.CompileContext.current_compile_id(), "frame_id", None)
+        if own[0] is None:
+            own[0] = frame_id
+            return
+        if frame_id == own[0]:
+            return
+        log_filter = _SuppressedCompileErrors(errors)
+        suppressing.append((config.suppress_errors, log_filter))
+        config.suppress_errors = True
+        logger.addFilter(log_filter)
+
+    callback_handler.register_start_callback(start)
+    try:
+        yield
+    finally:
+        callback_handler.remove_start_callback(start)
+        for prior, log_filter in suppressing:
+            config.suppress_errors = prior
+            logger.removeFilter(log_filter)
 
 
 def dynamo_skips(hook: object) -> bool:
