@@ -363,16 +363,22 @@ def later_frames_run_uncompiled_on_failure(
     """
     from torch._dynamo.callback import callback_handler
 
-    thread = threading.get_ident()
+    # The callback reads nothing through a global torch module: a callback
+    # runs as a Python frame, and where Dynamo's frame callback is on (a lazy
+    # AOTAutograd backward compiled inside a hook), a frame whose code names
+    # torch is compiled, which enters Dynamo's callback lock a second time.
+    get_thread = threading.get_ident
+    thread = get_thread()
+    current_compile_id = torch._guards.CompileContext.current_compile_id
     own = [own_frame_id]
     config: Any = torch._dynamo.config
     logger = logging.getLogger("torch._dynamo.convert_frame")
     suppressing: list[tuple[bool, _SuppressedCompileErrors]] = []
 
     def start(args: Any) -> None:
-        if threading.get_ident() != thread or suppressing:
+        if get_thread() != thread or suppressing:
             return
-        frame_id = getattr(torch._guards.CompileContext.current_compile_id(), "frame_id", None)
+        frame_id = getattr(current_compile_id(), "frame_id", None)
         if own[0] is None:
             own[0] = frame_id
             return
