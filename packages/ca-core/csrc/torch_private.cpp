@@ -88,14 +88,48 @@ void fold_hook_dict(uint64_t& signature, PyObject* dict) {
   fold(signature, largest);
 }
 
+/// 12. The dict behind each kind of torch's Python hook, or null for any other hook.
+PyObject* python_hook_dict(const torch::autograd::FunctionPreHook& hook) {
+  if (std::strcmp(typeid(hook).name(), "N5torch8autograd23PyFunctionTensorPreHookE") == 0) {
+    return static_cast<const torch::autograd::PyFunctionTensorPreHook&>(hook).dict;
+  }
+  return is_python_pre_hook(hook) ? static_cast<const torch::autograd::PyFunctionPreHook&>(hook).dict : nullptr;
+}
+PyObject* python_hook_dict(const torch::autograd::FunctionPostHook& hook) {
+  return is_python_post_hook(hook) ? static_cast<const torch::autograd::PyFunctionPostHook&>(hook).dict : nullptr;
+}
+PyObject* python_hook_dict(const torch::autograd::PostAccumulateGradHook& hook) {
+  return std::strcmp(typeid(hook).name(), "N5torch8autograd32PyFunctionTensorPostAccGradHooksE") == 0
+      ? static_cast<const torch::autograd::PyFunctionTensorPostAccGradHooks&>(hook).dict
+      : nullptr;
+}
+
+/// 12. Folds one hook: its Python dict's contents, or a C++ hook's identity.
+template <typename Hook>
+void fold_hook(uint64_t& signature, const Hook& hook) {
+  if (PyObject* dict = python_hook_dict(hook)) {
+    fold_hook_dict(signature, dict);
+  } else {
+    fold(signature, reinterpret_cast<uintptr_t>(&hook));
+  }
+}
+
+/// 12. Folds a list of hooks: their number, then each.
+template <typename Hooks>
+void fold_hooks(uint64_t& signature, const Hooks& hooks) {
+  fold(signature, hooks.size());
+  for (const auto& hook : hooks) {
+    fold_hook(signature, *hook);
+  }
+}
+
 } // namespace
 
 uint64_t hook_registry_signature(const Node& fn) {
   // A const Node's hook vectors are reached through its non-const accessors.
   auto& node = const_cast<Node&>(fn);
-  const bool is_accumulate_grad = typeid(fn) == typeid(torch::autograd::AccumulateGrad);
   torch::autograd::PostAccumulateGradHook* post_acc = nullptr;
-  if (is_accumulate_grad) {
+  if (typeid(fn) == typeid(torch::autograd::AccumulateGrad)) {
     const auto& variable = static_cast<const torch::autograd::AccumulateGrad&>(fn).variable;
     if (variable.defined()) {
       post_acc = torch::autograd::impl::post_acc_grad_hooks(variable).get();
@@ -106,37 +140,12 @@ uint64_t hook_registry_signature(const Node& fn) {
     return 0;
   }
   uint64_t signature = 0xcbf29ce484222325ULL;
-  fold(signature, node.tensor_pre_hooks().size());
-  for (const auto& hook : node.tensor_pre_hooks()) {
-    if (std::strcmp(typeid(*hook).name(), "N5torch8autograd23PyFunctionTensorPreHookE") == 0) {
-      fold_hook_dict(signature, static_cast<const torch::autograd::PyFunctionTensorPreHook&>(*hook).dict);
-    } else {
-      fold(signature, reinterpret_cast<uintptr_t>(hook.get()));
-    }
-  }
+  fold_hooks(signature, node.tensor_pre_hooks());
   fold(signature, node.retains_grad_hooks().size());
-  fold(signature, node.pre_hooks().size());
-  for (const auto& hook : node.pre_hooks()) {
-    if (is_python_pre_hook(*hook)) {
-      fold_hook_dict(signature, static_cast<const torch::autograd::PyFunctionPreHook&>(*hook).dict);
-    } else {
-      fold(signature, reinterpret_cast<uintptr_t>(hook.get()));
-    }
-  }
-  fold(signature, node.post_hooks().size());
-  for (const auto& hook : node.post_hooks()) {
-    if (is_python_post_hook(*hook)) {
-      fold_hook_dict(signature, static_cast<const torch::autograd::PyFunctionPostHook&>(*hook).dict);
-    } else {
-      fold(signature, reinterpret_cast<uintptr_t>(hook.get()));
-    }
-  }
+  fold_hooks(signature, node.pre_hooks());
+  fold_hooks(signature, node.post_hooks());
   if (post_acc != nullptr) {
-    if (std::strcmp(typeid(*post_acc).name(), "N5torch8autograd32PyFunctionTensorPostAccGradHooksE") == 0) {
-      fold_hook_dict(signature, static_cast<const torch::autograd::PyFunctionTensorPostAccGradHooks&>(*post_acc).dict);
-    } else {
-      fold(signature, reinterpret_cast<uintptr_t>(post_acc));
-    }
+    fold_hook(signature, *post_acc);
   }
   return signature == 0 ? 1 : signature;
 }
