@@ -1088,8 +1088,9 @@ registers a hook on a node that runs later, or removes one, changes what that
 node calls. A graph calls the hooks the walk found (its `hooks` input), and a
 hook that Dynamo traces has its registrations applied only after the graph.
 Which hooks a hook will change cannot be known before it runs, so after every
-graph run that called Python (a non-empty `hooks` input) the engine hook
-compares the walked nodes' hook registries with what the walk saw
+graph run that called Python (a node with Python objects, whose hooks, ctx
+or packed data fill the `hooks` input) the engine hook compares the walked
+nodes' hook registries with what the walk saw
 (NodeState::hook_signature; torch_private item 12: the number of hooks of each
 kind, and per Python hook dict its size and largest RemovableHandle id). Only
 nodes after the first one with Python objects (BackwardState::
@@ -1105,7 +1106,8 @@ engine, which reads the hooks as they are. The capturing backward is not
 eager's then; making it so would need the graph to read each node's hooks
 when it reaches the node, which a graph traced by Dynamo cannot (it applies a
 traced hook's registrations after the graph). A graph without Python objects
-runs no code that could register a hook, and is not checked.
+runs no code that could register a hook: the walk computes no signature for
+it and nothing is compared, so a hook-free cache hit pays nothing for this.
 */
 
 /// The first walked node whose hooks differ from what the walk saw, or null;
@@ -1263,11 +1265,9 @@ variable_list compiled_backward_with_gil(
   if (auto done = run_graph(run, result)) {
     return std::move(*done);
   }
-  if (PyList_GET_SIZE(run.args.hooks.ptr()) > 0) {
-    if (const NodeState* changed = node_with_changed_hooks(*run.state)) {
-      // See [Note: Hooks changed while a graph runs].
-      report_changed_hooks(run, *changed);
-    }
+  if (const NodeState* changed = node_with_changed_hooks(*run.state)) {
+    // See [Note: Hooks changed while a graph runs].
+    report_changed_hooks(run, *changed);
   }
   variable_list outputs = finish(run, std::move(result));
   if (C10_UNLIKELY(run.timed_since.has_value())) {

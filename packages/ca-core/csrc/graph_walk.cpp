@@ -525,8 +525,12 @@ class GraphWalk {
       }
     }
     ns.is_accumulate_grad = typeid(*fn) == typeid(AccumulateGrad);
-    // See [Note: Hooks changed while a graph runs] in engine_hook.cpp.
-    ns.hook_signature = torch_private::hook_registry_signature(*fn);
+    // Only nodes after the first with Python objects are compared, so a
+    // graph without any (the common cache hit) computes none; see [Note:
+    // Hooks changed while a graph runs] in engine_hook.cpp.
+    if (state_->first_python_node >= 0) {
+      ns.hook_signature = torch_private::hook_registry_signature(*fn);
+    }
     // See [Note: Recycled walk state].
     if (state_->spare_calls.empty()) {
       ns.collected = std::make_unique<AutogradCompilerCall>(SizeInput::STATIC);
