@@ -62,6 +62,28 @@ def test_background_compile_gives_eager_results_before_and_after_the_kernels_are
 
 
 @pytest.mark.inductor
+def test_the_first_background_run_is_bitwise_eager() -> None:
+    """It runs Dynamo's graph (the nodes' formulas), not the ATen graph with Inductor's decompositions in it."""
+    model, x = make_mlp(seed=0, sizes=(64, 256, 256, 10)), torch.randn(32, 64)
+
+    def step() -> list[torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        torch.nn.functional.gelu(model(x)).log_softmax(-1).sum().backward()
+        return [p.grad for p in model.parameters()]
+
+    expected = step()
+    with ca_runtime.enable("inductor", compile_in_background=True):
+        got = step()
+        assert ca_runtime.wait_for_background_compiles(timeout=600)
+        compiled = step()
+    stats = ca_runtime.stats()
+    assert stats["captures"] == 1 and stats["uncompiled_runs"] == 1 and stats["cache_hits"] == 1, stats
+    assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True))
+    # Inductor's kernels (the second step) round differently here, within tolerance.
+    torch.testing.assert_close(compiled, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.inductor
 def test_background_compile_swaps_in_the_kernels() -> None:
     model, x = _mlp(), torch.randn(5, 8)
     interval = sys.getswitchinterval()
@@ -271,22 +293,25 @@ def test_global_state_changed_before_the_thread_compiles_defers_the_compile_to_t
     assert result.stats["uncompiled_runs"] == 1 and result.stats["eager_fallbacks"] == 0, result.stats
 
 
-def test_the_uncompiled_copy_shares_no_submodule_with_the_graph_inductor_rewrites() -> None:
-    """Inductor's post-grad passes rewrite higher-order ops' subgraphs in place too."""
+def test_the_uncompiled_copy_shares_tensors_but_no_graph_with_the_one_inductor_rewrites() -> None:
+    """Inductor's passes rewrite graphs in place, higher-order ops' subgraphs too; tensors must stay shared."""
     inner = torch.fx.GraphModule(torch.nn.Module(), _graph_calling(torch.ops.aten.cos.default).graph)
     graph = torch.fx.Graph()
     x = graph.placeholder("x")
-    graph.output([graph.call_module("body", (x,))])
+    weight = graph.get_attr("weight")
+    graph.output([graph.call_module("body", (graph.call_function(torch.mul, (x, weight)),))])
     root = torch.nn.Module()
     root.body = inner
+    root.weight = torch.full((3,), 2.0)
     gm = torch.fx.GraphModule(root, graph)
-    run = _background._uncompiled_copy(gm)
-    forward = next(c.cell_contents for c in run.__closure__ if hasattr(c.cell_contents, "__self__"))
-    copied = forward.__self__
-    assert copied is not gm and copied.body is not gm.body and copied.body.graph is not gm.body.graph
-    args = [torch.ones(3)]
-    (out,) = run(args)
-    assert args == [] and torch.equal(out[0], torch.ones(3).cos())  # boxed: the list was taken over
+    copied = _background._graph_copy(gm)
+    assert (
+        copied.graph is not gm.graph and copied.body is not gm.body and copied.body.graph is not gm.body.graph
+    )
+    assert copied.weight is gm.weight
+    gm.weight.fill_(3.0)  # the copy reads the value the original would
+    (out,) = copied(torch.ones(3))
+    assert torch.equal(out[0], torch.full((3,), 3.0).cos())
 
 
 def test_a_failed_background_compile_warns_and_keeps_eager_results(monkeypatch: pytest.MonkeyPatch) -> None:

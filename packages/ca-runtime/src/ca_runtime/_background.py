@@ -13,22 +13,26 @@ Inductor's own ``compile_fx`` with one change, its ``inner_compile``:
   traces it to ATen ops and runs Inductor's joint-graph passes, and Dynamo
   installs its guards and cache entry;
 - ``inner_compile`` (what turns that ATen graph into kernels) instead
-  returns at once a boxed callable that runs a copy of the ATen graph op by
-  op, as the ``aot_eager`` backend would. After its first call (the
-  capturing backward itself, which so runs without competing for the GIL;
-  see [Note: The GIL while compiling in the background]) it starts a thread
-  that calls Inductor's real ``compile_fx_inner`` on the graph, with the
-  tracing and compile contexts of the capture re-entered there (AOTAutograd's
-  lazy backward compile runs it the same way, after ``compile_fx`` returned);
-- when the kernels are ready, the thread puts Inductor's compiled graph
-  into that callable's closure cell, so the next call runs it; the cost left
+  hands the graph to a ``_DeferredCompile`` and returns at once; the backend
+  returns that object's ``run`` to Dynamo. Until the kernels exist, ``run``
+  calls a copy of Dynamo's own graph, taken before Inductor's passes, op by
+  op as the ``eager`` backend would: the nodes' formulas themselves, so such
+  a run gives eager's gradients bit for bit (the ATen graph already has
+  Inductor's decompositions in it, which round differently). After its
+  first call (the capturing backward itself, which so runs without
+  competing for the GIL; see [Note: The GIL while compiling in the
+  background]) it starts a thread that calls Inductor's real
+  ``compile_fx_inner`` on the ATen graph, with the tracing and compile
+  contexts of the capture re-entered there (AOTAutograd's lazy backward
+  compile runs it the same way, after ``compile_fx`` returned);
+- when the kernels are ready, the thread stores them, and from the next call
+  on ``run`` calls AOTAutograd's wrapper, which calls them; the cost left
   on a hit is one Python call.
 
-The uncompiled runs execute the very graph Inductor compiles (a deep copy
-of the module, subgraphs included, taken before Inductor's post-grad passes
-rewrite the original in place), with the same Dynamo
-guards, hooks and side effects around it, so a backward gives the same result
-whichever way it ran. Only the capturing backward normally runs so: the
+The uncompiled runs execute the graph Dynamo traced, with the same Dynamo
+guards, hooks and side effects around it, so a backward gives eager's result
+whichever way it ran until the kernels take over (then Inductor's rounding).
+Only the capturing backward normally runs so: the
 runtime hands ca_core a readiness check for the compiles that first run
 started (``Runtime.take_compiling``), and until they end, later backwards
 that reach the entry run on the eager engine, whose nodes do not need the
@@ -87,6 +91,7 @@ from __future__ import annotations
 
 import contextvars
 import copy
+import functools
 import math
 import sys
 import threading
@@ -305,22 +310,18 @@ def _changed_since(global_state: Any) -> str:
     return "" if global_state.check() else f"torch's global state ({global_state.reason()})"
 
 
-def _uncompiled_copy(gm: torch.fx.GraphModule) -> Callable[[list[Any]], Any]:
-    """A boxed callable running ``gm``'s graph op by op, on a copy Inductor's passes do not touch.
+def _graph_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A module running ``gm``'s graph, on a copy of the graph that Inductor's passes do not touch.
 
-    The whole module is copied, subgraphs of higher-order ops included:
-    Inductor's post-grad passes rewrite those in place too.
+    Only the graphs are copied (subgraphs of higher-order ops included, which
+    Inductor's pre-grad passes rewrite in place too); tensors and other
+    attributes are shared, so the copy reads the values the original would.
     """
-    copied = copy.deepcopy(gm)
-    copied.graph.set_codegen(torch.fx.graph._BoxedCodeGen())
-    copied.recompile()
-    forward: Callable[[list[Any]], Any] = copied.forward
-
-    def run_uncompiled(args: list[Any]) -> Any:
-        _COUNTS.uncompiled_runs += 1
-        return forward(args)
-
-    return run_uncompiled
+    copied = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph), class_name=type(gm).__name__)
+    for name, child in gm.named_children():
+        if isinstance(child, torch.fx.GraphModule):
+            setattr(copied, name, _graph_copy(child))
+    return copied
 
 
 def _report_failure(error: BaseException, where: str, on_compile_thread: bool) -> None:
@@ -341,103 +342,141 @@ def _report_failure(error: BaseException, where: str, on_compile_thread: bool) -
         warn_at_user_line(message, EagerFallbackWarning)
 
 
-def _start(
-    gm: torch.fx.GraphModule, example_inputs: Sequence[Any], kwargs: dict[str, Any]
-) -> Callable[..., Any]:
-    """The boxed callable for ``gm``: op by op, until a thread started after its first call has compiled it."""
-    from torch._dynamo.convert_frame import compile_lock
-    from torch._inductor.compile_fx import compile_fx_inner
+class _DeferredCompile:
+    """One Dynamo graph's Inductor compile, deferred to a thread; see [Note: Compiling in the background].
 
-    run_uncompiled = _uncompiled_copy(gm)
-    tracing = torch._guards.TracingContext.try_get()
-    compiling = torch._guards.CompileContext.try_get()
-    # See [Note: State at capture time].
-    global_state = torch._C._dynamo.guards.GlobalStateGuard()
-    context = contextvars.copy_context()
-    first_run_lock = threading.Lock()
-    started = False
+    ``BackgroundInductor`` makes one per graph. Inductor's ``inner_compile``
+    (``attach``) hands it the ATen graph AOTAutograd traced and gets back the
+    callable AOTAutograd will call; that callable runs the kernels once they
+    are there, and ``run`` only calls AOTAutograd's wrapper then. Until
+    then ``run`` calls a copy of Dynamo's graph itself, as the ``eager``
+    backend would: the nodes' own formulas, so those runs give eager's values
+    bit for bit (AOTAutograd's ATen graph has Inductor's decompositions in it).
+    """
 
-    def compile_now() -> Any:
+    def __init__(self, uncompiled: torch.fx.GraphModule) -> None:
+        #: Dynamo's graph, copied before Inductor's passes rewrote it.
+        self.uncompiled = uncompiled
+        #: AOTAutograd's wrapper around ``kernels``; set once ``compile_fx`` returns.
+        self.compiled: Callable[..., Any] | None = None
+        #: Inductor's compiled graph (boxed), None until the compile ends.
+        self.kernels: Callable[[list[Any]], Any] | None = None
+        #: ``compile_fx_inner``'s arguments, or None if nothing was deferred.
+        self.aten: tuple[torch.fx.GraphModule, Sequence[Any], dict[str, Any]] | None = None
+        #: Set by the thread when the global state changed: the next call compiles here.
+        self.compile_on_next_call = False
+        #: Whether a first run has claimed starting the thread.
+        self.started = False
+        self._first_run_lock = threading.Lock()
+        # Taken in ``attach``, inside compile_fx: see [Note: State at capture time].
+        self._global_state: Any = None
+        self._context = contextvars.Context()
+        self._tracing: Any = None
+        self._compiling: Any = None
+
+    def attach(
+        self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], kwargs: dict[str, Any]
+    ) -> Callable[[list[Any]], Any]:
+        """Takes AOTAutograd's ATen graph; returns the callable AOTAutograd calls (only once the kernels exist)."""
+        self.aten = (gm, example_inputs, kwargs)
+        self._global_state = torch._C._dynamo.guards.GlobalStateGuard()
+        self._context = contextvars.copy_context()
+        self._tracing = torch._guards.TracingContext.try_get()
+        self._compiling = torch._guards.CompileContext.try_get()
+
+        def call_kernels(args: list[Any]) -> Any:
+            assert self.kernels is not None, "ca_runtime: AOTAutograd called a backward graph still compiling"
+            return self.kernels(args)
+
+        call_kernels._boxed_call = True  # type: ignore[attr-defined]
+        return call_kernels
+
+    def run(self, *args: Any) -> Any:
+        """Dynamo's call of the graph: the kernels when they are there, else Dynamo's graph op by op."""
+        if self.kernels is not None or (self.compile_on_next_call and self._compile_on_this_call()):
+            assert self.compiled is not None
+            return self.compiled(*args)
+        # The first run (the capturing backward) goes before the thread starts:
+        # it would otherwise wait for the GIL behind the compile at every op.
+        # Two threads' backwards may both get here: one starts the compile.
+        with self._first_run_lock:
+            start, self.started = not self.started, True
+        try:
+            _COUNTS.uncompiled_runs += 1
+            return self.uncompiled(*args)
+        finally:
+            if start:
+                _begin(
+                    threading.Thread(
+                        target=self._context.run,
+                        args=(self._compile_graph,),
+                        name="ca-inductor-compile",
+                        daemon=False,
+                    )
+                )
+
+    def _compile_now(self) -> Any:
+        from torch._dynamo.convert_frame import compile_lock
+        from torch._inductor.compile_fx import compile_fx_inner
+
+        assert self.aten is not None
+        gm, example_inputs, kwargs = self.aten
         with (
             compile_lock,  # see [Note: One Inductor compile at a time]
-            torch._guards.compile_context(compiling),
-            torch._guards.tracing(tracing),
+            torch._guards.compile_context(self._compiling),
+            torch._guards.tracing(self._tracing),
         ):
             return compile_fx_inner(gm, example_inputs, **kwargs)
 
-    def compile_graph() -> None:
+    def _compile_graph(self) -> None:
+        """The thread's work: compile, then hand the kernels to ``run``."""
         begun = time.perf_counter()
         try:
             with torch.no_grad(), torch._C._DisableAutocast():
-                changed = _changed_since(global_state)
+                changed = _changed_since(self._global_state)
                 if changed:
                     # See [Note: State at capture time].
-                    cell.cell_contents = compile_on_next_call
+                    self.compile_on_next_call = True
                     log.info("ca_runtime: %s changed since the capture; compiling on the next call", changed)
                     return
-                compiled = compile_now()
+                kernels = self._compile_now()
         except BaseException as e:  # noqa: BLE001 - reported; the graph keeps running uncompiled
             if _Shutdown.started:
                 log.debug("ca_runtime: background compile stopped by interpreter shutdown: %s", e)
                 return
             _report_failure(e, " in the background", on_compile_thread=True)
         else:
-            cell.cell_contents = compiled
+            self.kernels = kernels
             log.info(
                 "ca_runtime: backward graph compiled in the background in %.1f s", time.perf_counter() - begun
             )
         finally:
             _finished(threading.current_thread())
 
-    def compile_on_next_call(args: list[Any]) -> Any:
-        # The state Dynamo's guards just checked for this call is the capture's.
-        cell.cell_contents = run_uncompiled
+    def _compile_on_this_call(self) -> bool:
+        """Compiles on the calling thread; the state Dynamo's guards just checked for this call is the capture's."""
+        self.compile_on_next_call = False
         try:
-            compiled = context.copy().run(compile_now)
+            self.kernels = self._context.copy().run(self._compile_now)
         except Exception as e:  # noqa: BLE001 - as a failed background compile
             _report_failure(e, "", on_compile_thread=False)
-            return run_uncompiled(args)
-        cell.cell_contents = compiled
-        return compiled(args)
-
-    def first_run(args: list[Any]) -> Any:
-        # The first run (the capturing backward) goes before the thread starts:
-        # it would otherwise wait for the GIL behind the compile at every op.
-        # Two threads' backwards may both get here: one starts the compile.
-        nonlocal started
-        with first_run_lock:
-            start, started = not started, True
-            if start:
-                cell.cell_contents = run_uncompiled
-        try:
-            return run_uncompiled(args)
-        finally:
-            if start:
-                _begin(
-                    threading.Thread(
-                        target=context.run, args=(compile_graph,), name="ca-inductor-compile", daemon=False
-                    )
-                )
-
-    target = first_run
-
-    def run_graph(args: list[Any]) -> Any:
-        return target(args)
-
-    run_graph._boxed_call = True  # type: ignore[attr-defined]
-    cell = run_graph.__closure__[0]  # type: ignore[index]
-    return run_graph
+            return False
+        return True
 
 
-def _inner_compile(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
+def _inner_compile(
+    gm: torch.fx.GraphModule, example_inputs: Sequence[Any], deferred: _DeferredCompile, **kwargs: Any
+) -> Any:
     """Inductor's ``inner_compile`` for ``BackgroundInductor``; see [Note: Compiling in the background]."""
     from torch._inductor.compile_fx import compile_fx_inner
 
     reason = _reason_to_compile_here(gm, example_inputs, kwargs)
+    if reason is None and deferred.aten is not None:
+        reason = "its Dynamo graph already has an ATen graph compiling"
     if reason is not None:
         log.debug("ca_runtime: compiling a backward graph on the calling thread: %s", reason)
         return compile_fx_inner(gm, example_inputs, **kwargs)
-    return _start(gm, example_inputs, kwargs)
+    return deferred.attach(gm, example_inputs, kwargs)
 
 
 class BackgroundInductor(torch._TorchCompileInductorWrapper):
@@ -453,4 +492,15 @@ class BackgroundInductor(torch._TorchCompileInductorWrapper):
 
         if self.config or config_patches:
             return super().__call__(model_, inputs_, config_patches=config_patches)
-        return compile_fx(model_, inputs_, inner_compile=_inner_compile, compile_region_name=self.name)
+        deferred = _DeferredCompile(_graph_copy(model_))  # before Inductor's passes rewrite model_
+        compiled = compile_fx(
+            model_,
+            inputs_,
+            inner_compile=functools.partial(_inner_compile, deferred=deferred),
+            compile_region_name=self.name,
+        )
+        if deferred.aten is None:
+            return compiled
+        assert callable(compiled), compiled
+        deferred.compiled = compiled
+        return deferred.run
