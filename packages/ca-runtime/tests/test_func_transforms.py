@@ -2,16 +2,20 @@
 
 ``autograd.grad(..., is_grads_batched=True)`` runs the engine under vmap:
 the walk sees batched grads, and the graph is captured and served from the
-cache like any other. ``torch.func.grad`` (alone or under ``vmap``) computes
+cache like any other, checkpointed regions included (their recompute under
+vmap: see [Note: The recompute under vmap over the engine]). ``torch.func.grad`` (alone or under ``vmap``) computes
 its grads through functorch's transforms; no backward reaches ca's engine
 hook, and the values are eager's.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from ca_testkit import compare
+from torch.utils.checkpoint import checkpoint
 
 
 def _batched_jacobian(i: int) -> torch.Tensor:
@@ -21,11 +25,33 @@ def _batched_jacobian(i: int) -> torch.Tensor:
     return jacobian
 
 
-def test_a_batched_grad_is_captured_and_hit(backend: str) -> None:
-    result = compare(_batched_jacobian, backend, steps=3)
+def _checkpointed_batched_grads(vmap: str) -> Callable[[int], tuple[torch.Tensor, ...]]:
+    """Batched grads through a non-reentrant checkpoint region; see [Note: The recompute under vmap over the engine]."""
+    weight = torch.linspace(-1.0, 1.0, 16).reshape(4, 4).requires_grad_()
+    x = torch.linspace(0.1, 1.2, 12).reshape(3, 4).requires_grad_()
+    grad_outputs = torch.tensor([1.0, -0.5])
+
+    def region(a: torch.Tensor) -> torch.Tensor:
+        return (a @ weight).sin() * a
+
+    def step(i: int) -> tuple[torch.Tensor, ...]:
+        y = checkpoint(region, x, use_reentrant=False).sum()
+        if vmap == "is_grads_batched":  # torch's legacy vmap over the engine
+            return torch.autograd.grad(y, (x, weight), grad_outputs, is_grads_batched=True)
+        return torch.func.vmap(lambda v: torch.autograd.grad(y, (x, weight), v, retain_graph=True))(
+            grad_outputs
+        )
+
+    return step
+
+
+@pytest.mark.parametrize("case", ["jacobian", "checkpoint_is_grads_batched", "checkpoint_func_vmap"])
+def test_a_batched_grad_is_captured_and_hit(backend: str, case: str) -> None:
+    step = _batched_jacobian if case == "jacobian" else _checkpointed_batched_grads(case.split("_", 1)[1])
+    result = compare(step, backend, steps=3)
     result.assert_ok()
     assert result.stats["captures"] == 1 and result.stats["cache_hits"] == 2, result.stats
-    assert result.stats["eager_fallbacks"] == 0
+    assert result.stats["eager_fallbacks"] == 0 and result.stats["graph_breaks"] == 0, result.stats
 
 
 @pytest.mark.parametrize("transform", ["grad", "vmap_grad"])

@@ -76,6 +76,28 @@ def test_the_combined_mode_draws_each_feature() -> None:
     assert any(step.op in fuzz.COMBINED_OPS for p in drawn for step in p.steps)
     assert any(p.save_on_cpu for p in drawn)
     assert {p.multi_mode for p in drawn if p.multi_hook} == {"all", "any"}
+    assert any(p.batched for p in drawn) and not any(p.batched and p.double for p in drawn)
+
+
+@pytest.mark.parametrize("op", ["checkpoint", "function", "setup_function", "linear"])
+def test_a_batched_grad_program(op: str) -> None:
+    """is_grads_batched through each row kind (the checkpoint row fell back: its recompute had no batching rule)."""
+    program = fuzz.Program(
+        (True, True),
+        (fuzz.Step("mul", (0, 1), "double"), fuzz.Step(op, (2,) * fuzz.ALL_OPS[op].arity, "pre_half")),
+        (3,),
+        saved_hooks=True,
+        batched=True,
+        backwards=2,
+        variants=(fuzz.Variant(), fuzz.Variant(rows=5)),
+    )
+    grads, log = fuzz.run_program(program)
+    batched = [g for g in grads[-2:] if g is not None]  # the two leaves' batched grads
+    assert len(batched) == 2 and all(g.shape[0] == len(fuzz._GRAD_BATCH) for g in batched), grads
+    assert not any(entry.startswith("error") for entry in log), log
+    result = fuzz.check_program(program, "eager")
+    assert result.ok, result.report()
+    assert result.stats["captures"] >= 1 and result.stats["cache_hits"] >= 1, result.stats
 
 
 @pytest.mark.parametrize("mode", ["all", "any"])

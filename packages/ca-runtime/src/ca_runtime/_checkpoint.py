@@ -190,6 +190,33 @@ def _(
     ]
 
 
+# [Note: The recompute under vmap over the engine]
+# ``autograd.grad(..., is_grads_batched=True)`` runs the backward under
+# torch's legacy vmap (``torch._vmap_internals``, the ``Batched`` dispatch
+# key), whose fallback cannot batch an op returning a list. Only ``after``,
+# a grad that orders the recompute in the graph, can be batched there; the
+# recompute reads the region's saved inputs alone, as eager's does under
+# vmap. So the ``Batched`` kernel drops ``after`` (the op is already in
+# program order) and returns unbatched tensors. ``torch.func.vmap`` (the
+# ``FuncTorchBatched`` key) gets the same rule through ``register_vmap``.
+_BATCHED_LIBRARY = torch.library.Library("ca", "IMPL")
+
+
+def _recompute_unbatched(after: torch.Tensor | None, *metadata: Any) -> list[torch.Tensor]:
+    """See [Note: The recompute under vmap over the engine]; ``metadata``: the op's other arguments."""
+    result: list[torch.Tensor] = torch.ops.ca.checkpoint_recompute(None, *metadata)
+    return result
+
+
+_BATCHED_LIBRARY.impl("checkpoint_recompute", _recompute_unbatched, "Batched")
+
+
+@_checkpoint_recompute.register_vmap
+def _(info: Any, in_dims: tuple[Any, ...], *args: Any) -> tuple[list[torch.Tensor], list[None]]:
+    result = _recompute_unbatched(*args)
+    return result, [None] * len(result)
+
+
 def _dense_strides(shape: Sequence[int]) -> tuple[int, ...]:
     strides, step = [], 1
     for extent in reversed(shape):

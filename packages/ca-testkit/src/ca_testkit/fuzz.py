@@ -27,8 +27,10 @@ mismatch), or under ``save_on_cpu``, or both, a
 ``register_multi_grad_hook`` (mode ``"all"`` or ``"any"``) over a few pool
 tensors, a custom Function written with ``setup_context`` and
 ``once_differentiable``, and a double backward (``autograd.grad`` with
-``create_graph=True``, then a backward of the grads' sum), on top of the
-checkpoint regions, Functions and hooks of every program.
+``create_graph=True``, then a backward of the grads' sum) or a batched grad
+(``autograd.grad(..., is_grads_batched=True)``: ``torch.func.vmap`` over the
+engine, two grad_outputs at once), on top of the checkpoint regions,
+Functions and hooks of every program.
 
     python -m ca_testkit fuzz --examples 5000 --backend none --seed 0
     python -m ca_testkit fuzz --examples 5000 --backend none --combined
@@ -244,6 +246,9 @@ class Program:
     multi_hook: tuple[int, ...] = ()
     #: Its mode: ``"all"`` or ``"any"``.
     multi_mode: Literal["all", "any"] = "all"
+    #: The backward is ``autograd.grad(..., is_grads_batched=True)``: vmap over
+    #: the engine, two grad_outputs at once (combined mode; never with ``double``).
+    batched: bool = False
 
     def literal(self) -> str:
         """The constructor call that rebuilds this program."""
@@ -254,7 +259,8 @@ class Program:
             f"    module_hook={self.module_hook!r}, backwards={self.backwards!r},\n"
             f"    variants=({''.join(f'{v!r}, ' for v in self.variants)}),\n"
             f"    saved_hooks={self.saved_hooks!r}, double={self.double!r},\n"
-            f"    save_on_cpu={self.save_on_cpu!r}, multi_hook={self.multi_hook!r}, multi_mode={self.multi_mode!r})"
+            f"    save_on_cpu={self.save_on_cpu!r}, multi_hook={self.multi_hook!r}, multi_mode={self.multi_mode!r},\n"
+            f"    batched={self.batched!r})"
         )
 
     def listing(self) -> list[str]:
@@ -269,7 +275,7 @@ class Program:
             operands = ", ".join(f"{'abc'[j]}=t{a}" for j, a in enumerate(step.args))
             hook = f"   hook: {step.hook}" if step.hook else ""
             lines.append(f"#   t{n + k} = {ALL_OPS[step.op].code}   [{operands}]{hook}")
-        kind = "double backward" if self.double else "backward"
+        kind = "double backward" if self.double else "batched grad" if self.batched else "backward"
         lines.append(
             f"#   {kind} of {' + '.join(f't{r}.sum()' for r in self.roots)}, {self.backwards} time(s)"
         )
@@ -352,13 +358,16 @@ def run_program(program: Program, index: int = 0) -> tuple[list[torch.Tensor | N
                 watched, _logging_multi_hook(log, program.multi_mode), mode=program.multi_mode
             )
     roots = [pool[r].sum() for r in program.roots if pool[r].requires_grad]
+    batched: list[torch.Tensor | None] = []
     for b in range(program.backwards if roots else 0):
         retain = b + 1 < program.backwards
         if program.double:
             _double_backward(roots, params, retain, log)
+        elif program.batched:
+            batched.extend(_batched_grad(roots, params, retain, log))
         else:
             torch.autograd.backward(roots, retain_graph=retain)
-    return [p.grad for p in params], log
+    return [*(p.grad for p in params), *batched], log
 
 
 def _saved_tensors_hooks(log: list[str]) -> Any:
@@ -389,6 +398,31 @@ def _double_backward(
             torch.autograd.backward(second, retain_graph=retain)
     except RuntimeError as e:  # a once_differentiable backward: the error is part of the comparison
         log.append(f"error {str(e).splitlines()[0]}")
+
+
+#: The grad_outputs of a batched grad: two at once, for the roots' (scalar) sum.
+_GRAD_BATCH = (1.0, -0.5)
+
+
+def _batched_grad(
+    roots: list[torch.Tensor], params: list[torch.Tensor], retain: bool, log: list[str]
+) -> list[torch.Tensor | None]:
+    """grad of the roots' sum w.r.t. every grad-requiring tensor for two grad_outputs at once (is_grads_batched)."""
+    wrt = [p for p in params if p.requires_grad]
+    try:
+        return list(
+            torch.autograd.grad(
+                torch.stack(roots).sum(),
+                wrt,
+                grad_outputs=torch.tensor(_GRAD_BATCH),
+                retain_graph=retain,
+                allow_unused=True,
+                is_grads_batched=True,
+            )
+        )
+    except RuntimeError as e:  # e.g. an op without a batching rule: the error is part of the comparison
+        log.append(f"error {str(e).splitlines()[0]}")
+        return []
 
 
 def _attach_hook(out: torch.Tensor, kind: str, name: str, log: list[str]) -> None:
@@ -463,6 +497,7 @@ def programs(max_steps: int = 8, max_variants: int = 4, combined: bool = False) 
         total = n_leaves + len(steps)
         roots = tuple(sorted(draw(st.sets(st.integers(n_leaves, total - 1), min_size=1, max_size=2))))
         leaf_hooks = tuple(draw(st.sampled_from([False, False, True])) for _ in range(n_leaves))
+        double = combined and draw(st.booleans())
         variants = [Variant()]
         for _ in range(draw(st.integers(1, max_variants)) - 1):
             flip = draw(st.booleans())
@@ -485,7 +520,7 @@ def programs(max_steps: int = 8, max_variants: int = 4, combined: bool = False) 
             backwards=draw(st.sampled_from([1, 1, 1, 2])),
             variants=tuple(variants),
             saved_hooks=combined and draw(st.booleans()),
-            double=combined and draw(st.booleans()),
+            double=double,
             save_on_cpu=combined and draw(st.sampled_from([False, False, True])),
             multi_hook=(
                 tuple(sorted(draw(st.sets(st.integers(0, total - 1), min_size=1, max_size=3))))
@@ -493,6 +528,7 @@ def programs(max_steps: int = 8, max_variants: int = 4, combined: bool = False) 
                 else ()
             ),
             multi_mode=draw(st.sampled_from(["all", "any"])) if combined else "all",
+            batched=combined and not double and draw(st.sampled_from([False, False, True])),
         )
 
     return build()
