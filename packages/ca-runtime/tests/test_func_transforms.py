@@ -67,3 +67,29 @@ def test_torch_func_grad_is_eagers_and_leaves_the_engine_hook_alone(backend: str
     result = compare(step, backend, steps=2, expect_capture=False)
     result.assert_ok()
     assert result.stats["captures"] == 0 and result.stats["eager_fallbacks"] == 0, result.stats
+
+
+def test_a_nodes_own_error_after_a_hook_ran_is_eagers_and_the_hook_runs_once(backend: str) -> None:
+    """CopySlices's backward under vmap on an empty tensor raises in ATen, after a tensor hook ran.
+
+    See [Note: User errors are tagged]: judging it by an eager re-run called the hook twice.
+    """
+
+    def step(i: int) -> tuple[list[object], tuple[torch.Tensor, ...]]:
+        log: list[object] = []
+        x = torch.linspace(0.1, 1.2, 0 if i == 0 else 12).reshape(-1, 4).requires_grad_()
+        c = x * 1.0
+        c[:, :2].mul_(x[:, 2:] + 1.0)
+        c.register_hook(lambda g: log.append(tuple(g.shape)) or g * 2)
+        try:
+            grads = torch.autograd.grad(c.sum(), [x], torch.tensor([1.0, -0.5]), is_grads_batched=True)
+        except RuntimeError as e:
+            log.append(str(e).splitlines()[0])
+            grads = ()
+        return log, grads
+
+    result = compare(step, backend, steps=3)
+    result.assert_ok()
+    # The error left the cache usable: the full-size graph was captured, then hit.
+    assert result.stats["captures"] == 2 and result.stats["cache_hits"] == 1, result.stats
+    assert result.stats["eager_fallbacks"] == 0, result.stats

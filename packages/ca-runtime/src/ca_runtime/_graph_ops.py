@@ -41,6 +41,16 @@ leaves the graph. Anything else is judged by the eager engine (see
 [Note: Whose failure] in ca_core): a user error that surfaces as a compile
 error (an op Dynamo's fake tensors reject: ``softmax(g, dim=5)`` in a hook)
 is raised by eager too and leaves the cache usable.
+
+An exception a node's own backward raises while the graph runs it on real
+tensors (``apply_node``, ``apply_nodes``, ``apply_with_saved_eager``: the
+node's C++ ``apply``, as the engine calls it) is tagged too: eager runs that
+same code on the same grads and saved tensors and raises the same error (an
+op without a batching rule under ``is_grads_batched``, a custom Function's
+backward failing in C++). Judging it by a second, eager run would call the
+hooks that ran before the node a second time. While Dynamo or AOTAutograd
+trace the graph those calls see fake tensors; an exception then is no
+verdict on eager (a fake-tensor limit) and stays untagged.
 """
 
 from __future__ import annotations
@@ -109,6 +119,15 @@ def _tag(error: BaseException) -> None:
         object.__setattr__(error, USER_ERROR_TAG, True)
 
 
+def _tag_if_real(error: Exception, tensors: Sequence[torch.Tensor | None]) -> None:
+    """Tags a node's own error when it ran on real tensors; see [Note: User errors are tagged]."""
+    if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None:
+        return
+    if any(isinstance(t, torch._subclasses.FakeTensor) for t in tensors):
+        return
+    _tag(error)
+
+
 def raised_by_user_code(error: BaseException) -> bool:
     """Whether ``error`` passed a user's callable in the graph; removes the tag."""
     if getattr(error, USER_ERROR_TAG, False) is not True:
@@ -128,19 +147,31 @@ def apply_node(
     validate_sizes: Sequence[int | None] | None,
 ) -> Grads:
     """``apply_with_saved`` then ``validate_outputs`` on node ``node_idx``, in one call."""
-    return ca_core.apply_node(node_idx, inputs, saved_tensors, apply_sizes, saved_scalars, validate_sizes)
+    try:
+        return ca_core.apply_node(node_idx, inputs, saved_tensors, apply_sizes, saved_scalars, validate_sizes)
+    except Exception as e:
+        _tag_if_real(e, (*inputs, *saved_tensors))
+        raise
 
 
 @torch._dynamo.allow_in_graph
 def apply_nodes(plan_id: int, tensors: Sequence[torch.Tensor | None], others: list[Any]) -> Grads:
     """Consecutive ``apply_node`` calls in one; see [Note: Runs of nodes in one call] in ca_core."""
-    return ca_core.apply_nodes(plan_id, tensors, others)
+    try:
+        return ca_core.apply_nodes(plan_id, tensors, others)
+    except Exception as e:
+        _tag_if_real(e, tensors)
+        raise
 
 
 @torch._dynamo.disable
 def apply_with_saved_eager(*args: Any) -> Grads:
     """``apply_with_saved(*args)`` behind a graph break: runs on real tensors every backward."""
-    return ca_core.apply_with_saved(*args)
+    try:
+        return ca_core.apply_with_saved(*args)
+    except Exception as e:
+        _tag(e)  # see [Note: User errors are tagged]
+        raise
 
 
 @torch._dynamo.allow_in_graph
