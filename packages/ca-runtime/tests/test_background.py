@@ -78,6 +78,7 @@ def test_the_first_background_run_is_bitwise_eager() -> None:
         compiled = step()
     stats = ca_runtime.stats()
     assert stats["captures"] == 1 and stats["uncompiled_runs"] == 1 and stats["cache_hits"] == 1, stats
+    assert stats["eager_fallbacks"] == 0 and stats["graph_breaks"] == 0, stats
     assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True))
     # Inductor's kernels (the second step) round differently here, within tolerance.
     torch.testing.assert_close(compiled, expected, rtol=1e-5, atol=1e-5)

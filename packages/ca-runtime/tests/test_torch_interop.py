@@ -359,3 +359,14 @@ def test_18_a_later_frame_that_fails_to_compile_runs_uncompiled(caplog: pytest.L
         torch.compile(fn, backend=fails_after_the_first)(torch.ones(2))
     assert torch._dynamo.config.suppress_errors is prior
     torch._dynamo.reset()
+
+
+def test_19_fake_tensors_and_the_fake_mode_are_recognised() -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    real = torch.ones(2)
+    assert not _torch_interop.on_fake_tensors([real, None])
+    with FakeTensorMode() as mode:
+        fake = mode.from_tensor(real)
+        assert _torch_interop.on_fake_tensors([])  # the mode alone
+    assert _torch_interop.on_fake_tensors([None, fake])  # a fake tensor outside its mode

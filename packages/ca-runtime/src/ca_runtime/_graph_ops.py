@@ -62,7 +62,7 @@ from typing import Any
 import ca_core
 import torch
 
-from ca_runtime._torch_interop import call_backward
+from ca_runtime._torch_interop import call_backward, on_fake_tensors
 
 __all__ = [
     "USER_ERROR_TAG",
@@ -121,11 +121,8 @@ def _tag(error: BaseException) -> None:
 
 def _tag_if_real(error: Exception, tensors: Sequence[torch.Tensor | None]) -> None:
     """Tags a node's own error when it ran on real tensors; see [Note: User errors are tagged]."""
-    if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None:
-        return
-    if any(isinstance(t, torch._subclasses.FakeTensor) for t in tensors):
-        return
-    _tag(error)
+    if not on_fake_tensors(tensors):
+        _tag(error)
 
 
 def raised_by_user_code(error: BaseException) -> bool:

@@ -75,6 +75,10 @@ Used through this module:
      logger's record of a suppressed error: a frame after the graph's own
      that fails to compile runs uncompiled; see [Note: A later frame that
      fails to compile] in _dynamo_direct.py.
+  19. ``torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)``
+     and ``torch._subclasses.FakeTensor``: whether a node's apply runs while
+     Dynamo or AOTAutograd trace (``on_fake_tensors``); see [Note: User
+     errors are tagged] in _graph_ops.py.
 Used in place, because they are what the module is about:
   6. AOTAutograd's ``CompiledFunction`` internals in _aot.py (``_aot_id``,
      ``_bw_prologue_fn``, ``metadata``, ``maybe_subclass_metadata``,
@@ -106,7 +110,7 @@ import threading
 import types
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import ca_core
@@ -130,6 +134,7 @@ __all__ = [
     "forget_sources_with",
     "keep_hook_across_torch_disable",
     "later_frames_run_uncompiled_on_failure",
+    "on_fake_tensors",
     "rearm_torch_compiled_autograd",
     "register_ca_logs",
     "release_dynamo_state",
@@ -347,6 +352,13 @@ class _SuppressedCompileErrors(logging.Filter):
             self.errors.append(error if error is not None else RuntimeError(record.getMessage()))
             return False
         return True
+
+
+def on_fake_tensors(tensors: Iterable[torch.Tensor | None]) -> bool:
+    """Whether a call with ``tensors`` runs under a fake mode or on fake tensors (item 19)."""
+    if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None:
+        return True
+    return any(isinstance(t, torch._subclasses.FakeTensor) for t in tensors)
 
 
 @contextlib.contextmanager
