@@ -168,6 +168,19 @@ def test_10_a_torch_compile_context_names_its_backend() -> None:
     assert _torch_interop.dynamo_context_backend(lambda gm: gm) is None
 
 
+def test_10_dynamos_eager_backend_is_told_from_the_others() -> None:
+    module = torch.nn.Identity()
+    assert _torch_interop.compiles_with_dynamo_eager(torch.compile(module, backend="eager")) is True
+    assert _torch_interop.compiles_with_dynamo_eager(torch.compile(module, backend="aot_eager")) is False
+    assert _torch_interop.compiles_with_dynamo_eager(torch.compile(module)) is False  # inductor
+
+    def eager(gm: torch.fx.GraphModule, inputs: object) -> torch.fx.GraphModule:  # a user's, named eager
+        return gm
+
+    assert _torch_interop.compiles_with_dynamo_eager(torch.compile(module, backend=eager)) is False
+    assert _torch_interop.compiles_with_dynamo_eager(module) is None
+
+
 def test_11_torchs_enable_is_replaced_inside_the_context_and_restored() -> None:
     original = torch._dynamo.compiled_autograd._enable
     entered: list[object] = []
@@ -370,3 +383,25 @@ def test_19_fake_tensors_and_the_fake_mode_are_recognised() -> None:
         fake = mode.from_tensor(real)
         assert _torch_interop.on_fake_tensors([])  # the mode alone
     assert _torch_interop.on_fake_tensors([None, fake])  # a fake tensor outside its mode
+
+
+def test_20_functorchs_generated_vmap_rule_is_recognised() -> None:
+    class Exp(torch.autograd.Function):
+        generate_vmap_rule = True
+
+        @staticmethod
+        def forward(x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+            return x.exp()
+
+        @staticmethod
+        def setup_context(ctx: object, inputs: object, output: object) -> None:
+            pass
+
+        @staticmethod
+        def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+            return grad
+
+    x = torch.ones(2, 3, requires_grad=True)
+    generated = torch.func.vmap(Exp.apply)(x).grad_fn
+    assert _torch_interop.is_generated_vmap_rule(generated._forward_cls)
+    assert not _torch_interop.is_generated_vmap_rule(Exp.apply(x).grad_fn._forward_cls)

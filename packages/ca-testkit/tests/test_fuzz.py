@@ -77,6 +77,7 @@ def test_the_combined_mode_draws_each_feature() -> None:
     assert any(p.save_on_cpu for p in drawn)
     assert {p.multi_mode for p in drawn if p.multi_hook} == {"all", "any"}
     assert any(p.batched for p in drawn) and not any(p.batched and p.double for p in drawn)
+    assert any(p.third_order for p in drawn) and all(p.double for p in drawn if p.third_order)
 
 
 @pytest.mark.parametrize("op", ["checkpoint", "function", "setup_function", "linear"])
@@ -98,6 +99,34 @@ def test_a_batched_grad_program(op: str) -> None:
     result = fuzz.check_program(program, "eager")
     assert result.ok, result.report()
     assert result.stats["captures"] >= 1 and result.stats["cache_hits"] >= 1, result.stats
+
+
+@pytest.mark.parametrize("op", ["checkpoint", "function", "linear"])
+def test_a_third_order_program_under_aot_autograd(op: str) -> None:
+    """grad of grad with create_graph=True, then backward: see [Note: create_graph=True graphs stay differentiable].
+
+    With aot_eager, the first-order graph was compiled through AOTAutograd and
+    the second grad raised "does not currently support double backward".
+    """
+    program = fuzz.Program(
+        (True, True),
+        (
+            fuzz.Step("mul", (0, 1), "double"),
+            fuzz.Step(op, (2,) * fuzz.ALL_OPS[op].arity),
+            fuzz.Step("tanh", (3,)),
+        ),
+        (4,),
+        saved_hooks=True,
+        double=True,
+        third_order=True,
+        variants=(fuzz.Variant(), fuzz.Variant(rows=5)),
+    )
+    _, log = fuzz.run_program(program)
+    assert any(entry.startswith("second grad graph") for entry in log), log
+    assert not any(entry.startswith("error") for entry in log), log
+    result = fuzz.check_program(program, "aot_eager")
+    assert result.ok, result.report()
+    assert result.stats["captures"] >= 3 and result.stats["eager_fallbacks"] == 0, result.stats
 
 
 @pytest.mark.parametrize("mode", ["all", "any"])

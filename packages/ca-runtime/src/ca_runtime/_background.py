@@ -46,7 +46,8 @@ does a graph Dynamo recompiles during a hit until its own compile ends.
 
 The graph compiles on the calling thread, as without this mode, where a
 background compile could differ from it: a graph that needs autograd
-(``create_graph=True``), one with symbolic sizes (Inductor may add guards
+(none of ca's own: see [Note: create_graph=True graphs stay differentiable]
+in _runtime.py), one with symbolic sizes (Inductor may add guards
 while lowering, which Dynamo must have installed before the first run),
 collectives (every rank must run them alike), CUDA graphs, ``cpp_wrapper``,
 freezing, or options given to the backend.

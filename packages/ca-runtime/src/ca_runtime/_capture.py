@@ -62,6 +62,7 @@ from ca_runtime._torch_interop import (
     checkpoint_inputs_have_hooks,
     checkpoint_saved_index,
     dynamo_skips,
+    is_generated_vmap_rule,
 )
 
 __all__ = ["Capture", "GraphBreak", "UnsupportedNode", "build_graph_module"]
@@ -623,10 +624,32 @@ _APPLY: dict[Handling, Callable[[_GraphBuilder, ca_core.NodeInfo, list[Any], str
 }
 
 
-def _defines_vjp(function: ca_core.FunctionInfo | None) -> bool:
+def _defines_vjp(forward_cls: type) -> bool:
     """Whether a Python Function's class defines ``vjp``, the documented alias of ``backward``."""
+    return forward_cls.vjp is not torch.autograd.Function.vjp  # type: ignore[attr-defined]
+
+
+#: Python Functions whose backward runs behind a graph break, by their class: (test, reason).
+_FUNCTIONS_RUN_EAGERLY: tuple[tuple[Callable[[type], bool], str], ...] = (
+    # Eager's PyNode picks vjp (or refuses a Function defining both); Dynamo
+    # inlines only `backward`.
+    (_defines_vjp, "a Python Function defining vjp (backward's alias) runs eagerly"),
+    (
+        is_generated_vmap_rule,
+        (
+            "a Function vmapped by its generated vmap rule (generate_vmap_rule=True) runs eagerly: "
+            "Dynamo cannot trace the ctx that rule wraps"
+        ),
+    ),
+)
+
+
+def _function_run_eagerly(function: ca_core.FunctionInfo | None) -> str | None:
+    """Why a Python Function's backward runs behind a graph break (``_FUNCTIONS_RUN_EAGERLY``), or None."""
     forward_cls = getattr(function.ctx, "_forward_cls", None) if function is not None else None
-    return forward_cls is not None and forward_cls.vjp is not torch.autograd.Function.vjp
+    if forward_cls is None:
+        return None
+    return next((reason for test, reason in _FUNCTIONS_RUN_EAGERLY if test(forward_cls)), None)
 
 
 def _handling_of(node: ca_core.NodeInfo, rule: NodeRule, create_graph: bool) -> tuple[Handling, str]:
@@ -638,11 +661,8 @@ def _handling_of(node: ca_core.NodeInfo, rule: NodeRule, create_graph: bool) -> 
         handling = Handling.BREAK
         if node.num_saved_tensor_hooks:
             reason = "a Python Function whose saved tensors have unpack hooks runs eagerly"
-    elif handling is Handling.FUNCTION and _defines_vjp(node.function):
-        # Eager's PyNode picks vjp (or refuses a Function defining both);
-        # Dynamo inlines only `backward`.
-        handling = Handling.BREAK
-        reason = "a Python Function defining vjp (backward's alias) runs eagerly"
+    elif handling is Handling.FUNCTION and (eager_reason := _function_run_eagerly(node.function)):
+        handling, reason = Handling.BREAK, eager_reason
     if handling is Handling.TRACE and node.unpack_hooks and create_graph:
         # A swapped-in unpacked tensor would lose the grad_fn eager's unpack gives it.
         handling = Handling.BREAK

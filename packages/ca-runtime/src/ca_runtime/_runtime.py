@@ -82,6 +82,7 @@ from ca_runtime._torch_interop import (
     FakeBackwardCFunction,
     call_backward,
     clear_finished_tracked_fakes,
+    compiles_with_dynamo_eager,
     forget_metric_stacks,
     forget_sources_with,
     release_dynamo_state_with,
@@ -133,6 +134,36 @@ def _in_multi_process_group() -> bool:
     """
     dist = torch.distributed
     return bool(dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
+
+
+# [Note: create_graph=True graphs stay differentiable]
+# A backward with create_graph=True returns grads that carry a graph of their
+# own, and a program may differentiate that graph again with create_graph=True:
+# torch.autograd.functional.hessian and hvp, a third derivative, a PINN whose
+# second derivative comes from its first. In eager that works to any order.
+# A graph compiled through AOTAutograd (the "aot_eager" and "inductor"
+# backends) records one CompiledFunctionBackward node for the whole graph,
+# and AOTAutograd's backward is not differentiable: a create_graph=True
+# backward through it raises "torch.compile with aot_autograd does not
+# currently support double backward". Which grads a program will
+# differentiate how often is not known when their graph is captured, so a
+# create_graph=True graph that compiler_fn would hand to an AOTAutograd
+# backend is compiled with Dynamo's "eager" backend instead: Dynamo traces
+# it and runs its ops as they are, so autograd records eager's nodes, which
+# later backwards capture and compile like any others (a create_graph=False
+# backward through them is compiled with compiler_fn). What compiler_fn
+# returned decides: a torch.compile result whose backend is any other than
+# Dynamo's "eager" (a backend of the user's own may call AOTAutograd too;
+# compile_in_background's is Inductor) is replaced by one with "eager"; any
+# other callable is used as it is, so a compiler_fn that calls AOTAutograd
+# without torch.compile keeps the limit (README, Known differences). A torch.compile'd region of the
+# user's own stays once differentiable, as in eager (see [Note: AOT
+# backwards] in _aot.py).
+
+
+def _once_differentiable(compiled: object) -> bool:
+    """Whether ``compiled`` may run its graph through AOTAutograd; see [Note: create_graph=True graphs stay differentiable]."""
+    return compiles_with_dynamo_eager(compiled) is False
 
 
 def _compiled_form(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -303,6 +334,10 @@ class Runtime:
             records.capture_failed(record, "compiler_fn", reason)
             self._fallback("compiler_fn", reason, record)
             return None
+        if graph.create_graph and _once_differentiable(compiled):
+            # See [Note: create_graph=True graphs stay differentiable].
+            release_dynamo_state_with(form, type(form).forward.__code__, compiled)
+            compiled = torch.compile(form, backend="eager", dynamic=None)
         # See [Note: Calling Dynamo's cached code directly] in _dynamo_direct.py.
         returned, compiled = compiled, wrap_if_dynamo_module(compiled, form)
         # See [Note: What Dynamo keeps of a dropped graph] in _torch_interop.py.

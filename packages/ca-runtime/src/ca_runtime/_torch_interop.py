@@ -40,7 +40,10 @@ Used through this module:
      ``innermost_backend``: the backend a ``torch.compile`` context compiles
      with, so that the context ``torch._dynamo.config.compiled_autograd``
      makes anew on every call keys one cache (see [Note: Compilers made
-     anew] in _compiler_key.py).
+     anew] in _compiler_key.py); with ``torch._dynamo.lookup_backend``, and
+     the ``compiler_fn`` of the wrapper ``torch.compile`` puts around a
+     backend, whether that backend is Dynamo's ``"eager"`` (see [Note:
+     create_graph=True graphs stay differentiable] in _runtime.py).
   11. ``torch._dynamo.compiled_autograd._enable``, ``active_disable_ctx`` and
      Dynamo's compile stance: replaced by ``replace_torch()``; see [Note:
      Running torch's entry points on ca] in _enable.py.
@@ -79,6 +82,12 @@ Used through this module:
      and ``torch._subclasses.FakeTensor``: whether a node's apply runs while
      Dynamo or AOTAutograd trace (``on_fake_tensors``); see [Note: User
      errors are tagged] in _graph_ops.py.
+  20. ``torch._functorch.autograd_function.vmapify_autograd_function``: the
+     Function class ``torch.func.vmap`` generates for a Function with
+     ``generate_vmap_rule=True`` (``is_generated_vmap_rule``), whose
+     backward wraps its ctx in ``CtxWithSavedTensors``, which Dynamo refuses
+     (it asserts a ``FakeBackwardCFunction``); see _capture.py's
+     ``_FUNCTIONS_RUN_EAGERLY``.
 Used in place, because they are what the module is about:
   6. AOTAutograd's ``CompiledFunction`` internals in _aot.py (``_aot_id``,
      ``_bw_prologue_fn``, ``metadata``, ``maybe_subclass_metadata``,
@@ -127,11 +136,13 @@ __all__ = [
     "checkpoint_saved_metadata",
     "clear_finished_tracked_fakes",
     "compiled_frame_id",
+    "compiles_with_dynamo_eager",
     "dynamo_context_backend",
     "dynamo_skips",
     "failed_compile_frame_id",
     "forget_metric_stacks",
     "forget_sources_with",
+    "is_generated_vmap_rule",
     "keep_hook_across_torch_disable",
     "later_frames_run_uncompiled_on_failure",
     "on_fake_tensors",
@@ -275,7 +286,9 @@ def call_backward(
     ctx: torch.autograd.function.BackwardCFunction, saved_tensors: list[torch.Tensor | None], *grads: Any
 ) -> tuple[Any, ...]:
     """3. Runs ``ctx``'s Function backward on ``saved_tensors``; see [Note: ctx writes in a backward]."""
-    fake = FakeBackwardCFunction(ctx, saved_tensors)  # type: ignore[arg-type]
+    # A tuple, as eager's ctx.saved_tensors: functorch's generated vmap rule
+    # (generate_vmap_rule=True) matches it against a tuple of batch dims.
+    fake = FakeBackwardCFunction(ctx, tuple(saved_tensors))  # type: ignore[arg-type]
     # A Function defining vjp (backward's alias) is not called here: it runs
     # behind a graph break (_capture.py's _defines_vjp).
     try:
@@ -352,6 +365,12 @@ class _SuppressedCompileErrors(logging.Filter):
             self.errors.append(error if error is not None else RuntimeError(record.getMessage()))
             return False
         return True
+
+
+def is_generated_vmap_rule(forward_cls: type) -> bool:
+    """20. Whether ``forward_cls`` is the Function class ``torch.func.vmap`` generated for ``generate_vmap_rule=True``."""
+    forward = getattr(forward_cls, "forward", None)
+    return getattr(forward, "__qualname__", "").startswith("vmapify_autograd_function.")
 
 
 def on_fake_tensors(tensors: Iterable[torch.Tensor | None]) -> bool:
@@ -704,6 +723,19 @@ def dynamo_context_backend(obj: object) -> tuple[object, object] | None:
     if not isinstance(obj, eval_frame._TorchDynamoContext):
         return None
     return eval_frame.innermost_backend(obj.callback), getattr(obj, "_dynamic", None)  # type: ignore[arg-type]
+
+
+def compiles_with_dynamo_eager(compiled: object) -> bool | None:
+    """10. Whether a ``torch.compile`` result compiles with Dynamo's ``"eager"`` backend; None if not one.
+
+    By the backend function ``torch.compile`` resolved (``lookup_backend``),
+    so that a backend of the user's own named ``eager`` is not taken for it.
+    """
+    found = dynamo_context_backend(getattr(compiled, "dynamo_ctx", compiled))
+    if found is None:
+        return None
+    backend = getattr(found[0], "compiler_fn", found[0])  # inside torch.compile's wrapper
+    return backend is torch._dynamo.lookup_backend("eager")
 
 
 @contextlib.contextmanager

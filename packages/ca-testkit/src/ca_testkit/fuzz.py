@@ -27,7 +27,9 @@ mismatch), or under ``save_on_cpu``, or both, a
 ``register_multi_grad_hook`` (mode ``"all"`` or ``"any"``) over a few pool
 tensors, a custom Function written with ``setup_context`` and
 ``once_differentiable``, and a double backward (``autograd.grad`` with
-``create_graph=True``, then a backward of the grads' sum) or a batched grad
+``create_graph=True``, then a backward of the grads' sum; or a third
+derivative, the grads differentiated with ``create_graph=True`` once more
+before that backward) or a batched grad
 (``autograd.grad(..., is_grads_batched=True)``: ``torch.func.vmap`` over the
 engine, two grad_outputs at once), on top of the checkpoint regions,
 Functions and hooks of every program.
@@ -249,6 +251,9 @@ class Program:
     #: The backward is ``autograd.grad(..., is_grads_batched=True)``: vmap over
     #: the engine, two grad_outputs at once (combined mode; never with ``double``).
     batched: bool = False
+    #: With ``double``: the first-order grads are differentiated once more with
+    #: ``create_graph=True`` before the last backward (a third derivative).
+    third_order: bool = False
 
     def literal(self) -> str:
         """The constructor call that rebuilds this program."""
@@ -260,7 +265,7 @@ class Program:
             f"    variants=({''.join(f'{v!r}, ' for v in self.variants)}),\n"
             f"    saved_hooks={self.saved_hooks!r}, double={self.double!r},\n"
             f"    save_on_cpu={self.save_on_cpu!r}, multi_hook={self.multi_hook!r}, multi_mode={self.multi_mode!r},\n"
-            f"    batched={self.batched!r})"
+            f"    batched={self.batched!r}, third_order={self.third_order!r})"
         )
 
     def listing(self) -> list[str]:
@@ -275,7 +280,13 @@ class Program:
             operands = ", ".join(f"{'abc'[j]}=t{a}" for j, a in enumerate(step.args))
             hook = f"   hook: {step.hook}" if step.hook else ""
             lines.append(f"#   t{n + k} = {ALL_OPS[step.op].code}   [{operands}]{hook}")
-        kind = "double backward" if self.double else "batched grad" if self.batched else "backward"
+        kind = (
+            ("third-order backward" if self.third_order else "double backward")
+            if self.double
+            else "batched grad"
+            if self.batched
+            else "backward"
+        )
         lines.append(
             f"#   {kind} of {' + '.join(f't{r}.sum()' for r in self.roots)}, {self.backwards} time(s)"
         )
@@ -362,7 +373,7 @@ def run_program(program: Program, index: int = 0) -> tuple[list[torch.Tensor | N
     for b in range(program.backwards if roots else 0):
         retain = b + 1 < program.backwards
         if program.double:
-            _double_backward(roots, params, retain, log)
+            _double_backward(roots, params, retain, log, program.third_order)
         elif program.batched:
             batched.extend(_batched_grad(roots, params, retain, log))
         else:
@@ -385,15 +396,23 @@ def _saved_tensors_hooks(log: list[str]) -> Any:
 
 
 def _double_backward(
-    roots: list[torch.Tensor], params: list[torch.Tensor], retain: bool, log: list[str]
+    roots: list[torch.Tensor], params: list[torch.Tensor], retain: bool, log: list[str], third_order: bool
 ) -> None:
-    """grad(create_graph=True) of the roots' sum w.r.t. every grad-requiring tensor, then backward of the grads."""
+    """grad(create_graph=True) of the roots' sum w.r.t. every grad-requiring tensor, then backward of the grads.
+
+    With ``third_order``, the grads' squares are differentiated with
+    ``create_graph=True`` once more first, and the backward is of those grads.
+    """
     wrt = [p for p in params if p.requires_grad]
     try:
         grads = torch.autograd.grad(torch.stack(roots).sum(), wrt, create_graph=True, allow_unused=True)
         # Which first-order grads carry a graph is part of the comparison.
         log.append(f"grad graph {[None if g is None else g.requires_grad for g in grads]}")
         second = [(g * g).sum() for g in grads if g is not None and g.requires_grad]
+        if second and third_order:
+            grads = torch.autograd.grad(torch.stack(second).sum(), wrt, create_graph=True, allow_unused=True)
+            log.append(f"second grad graph {[None if g is None else g.requires_grad for g in grads]}")
+            second = [(g * g).sum() for g in grads if g is not None and g.requires_grad]
         if second:
             torch.autograd.backward(second, retain_graph=retain)
     except RuntimeError as e:  # a once_differentiable backward: the error is part of the comparison
@@ -529,6 +548,7 @@ def programs(max_steps: int = 8, max_variants: int = 4, combined: bool = False) 
             ),
             multi_mode=draw(st.sampled_from(["all", "any"])) if combined else "all",
             batched=combined and not double and draw(st.sampled_from([False, False, True])),
+            third_order=double and draw(st.sampled_from([False, False, True])),
         )
 
     return build()
