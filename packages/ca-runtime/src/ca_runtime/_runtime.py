@@ -156,9 +156,9 @@ def _in_multi_process_group() -> bool:
 # Dynamo's "eager" (a backend of the user's own may call AOTAutograd too;
 # compile_in_background's is Inductor) is replaced by one with "eager"; any
 # other callable is used as it is, so a compiler_fn that calls AOTAutograd
-# without torch.compile keeps the limit (README, Known differences). A torch.compile'd region of the
-# user's own stays once differentiable, as in eager (see [Note: AOT
-# backwards] in _aot.py).
+# without torch.compile keeps the limit (README, Known differences). A
+# torch.compile'd region of the user's own stays once differentiable, as in
+# eager (see [Note: AOT backwards] in _aot.py).
 
 
 def _once_differentiable(compiled: object) -> bool:

@@ -290,7 +290,7 @@ def call_backward(
     # (generate_vmap_rule=True) matches it against a tuple of batch dims.
     fake = FakeBackwardCFunction(ctx, tuple(saved_tensors))  # type: ignore[arg-type]
     # A Function defining vjp (backward's alias) is not called here: it runs
-    # behind a graph break (_capture.py's _defines_vjp).
+    # behind a graph break (_capture.py's _FUNCTIONS_RUN_EAGERLY).
     try:
         result = fake._forward_cls.backward(fake, *grads)
     finally:
