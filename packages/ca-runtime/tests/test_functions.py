@@ -644,6 +644,31 @@ def test_non_reentrant_checkpoint_without_metadata_breaks_once_per_region(backen
     assert result.stats["graph_breaks"] == len(blocks) * result.stats["captures"]
 
 
+def test_a_region_without_records_on_a_hit_of_a_graph_captured_with_them(backend: str) -> None:
+    """[Note: A region without records on a hit]: the same graph shape, determinism_check alternating.
+
+    The first backward captures the regions into the recompute op; the
+    "none" steps hit that graph with regions that record no shapes. Before,
+    their hit failed inside Dynamo's re-trace with a TypeError.
+    """
+    blocks, x = _checkpointed_blocks("mlp")
+
+    def step(i: int) -> None:
+        check = ("default", "none")[i % 2]
+        blocks.zero_grad(set_to_none=True)  # one key for every step
+        h = x
+        for b in blocks:
+            h = torch.utils.checkpoint.checkpoint(b, h, use_reentrant=False, determinism_check=check)
+        h.pow(2).mean().backward()
+
+    result = compare(step, backend, tensors=blocks, steps=4, atol=1e-5)
+    result.assert_ok()
+    assert result.stats["eager_fallbacks"] == 0
+    assert result.stats["graph_breaks"] == 0  # ca's; Dynamo breaks inside the re-traced graph
+    assert result.stats["captures"] == 1
+    assert result.stats["cache_hits"] == 3
+
+
 def test_non_reentrant_checkpoint_with_a_new_batch_size_recompiles(backend: str) -> None:
     """The graph is guarded on the shapes the region recorded: a new batch size gives eager's grads."""
     blocks, _ = _checkpointed_blocks("mlp")

@@ -397,6 +397,47 @@ def test_a_leafs_post_hook_sees_the_grad_that_became_its_grad(layout: str, backe
     assert result.stats["graph_breaks"] == 0 and result.stats["eager_fallbacks"] == 0
 
 
+@pytest.mark.parametrize("grads", ["views of a flat buffer", "kept from the first step"])
+def test_a_leafs_existing_grad_is_added_to_in_place(grads: str, backend: str) -> None:
+    """See [Note: A leaf's grad is added to in place]: leaves accumulated in the graph keep their .grad tensor.
+
+    The post-accumulate-grad hooks put the leaves in the graph; they read the
+    flat buffer (contiguous grads, as optimizers and communication libraries
+    keep them) or the .grad tensors kept after the first step. Before, every
+    later grad went into a fresh tensor that neither saw.
+    """
+    state: dict[str, Any] = {}
+
+    def step(i: int) -> dict[str, torch.Tensor]:
+        if i == 0:
+            model = _mlp()
+            params = list(model.parameters())
+            buffer = torch.zeros(sum(p.numel() for p in params))
+            if grads == "views of a flat buffer":
+                offset = 0
+                for p in params:
+                    p.grad = buffer[offset : offset + p.numel()].view_as(p)
+                    offset += p.numel()
+            seen: list[torch.Tensor] = []
+            for p in params:
+                p.register_post_accumulate_grad_hook(lambda p, seen=seen: seen.append(p.grad.sum()))
+            state.update(model=model, params=params, buffer=buffer, seen=seen, kept=None)
+        model, params = state["model"], state["params"]
+        model(INPUT).pow(2).mean().backward()
+        if state["kept"] is None:
+            state["kept"] = [p.grad for p in params]
+        out = {"buffer": state["buffer"].clone(), "seen": torch.stack(state["seen"])}
+        out.update({f"kept{k}": g.clone() for k, g in enumerate(state["kept"])})
+        out["same tensors"] = torch.tensor([p.grad is g for p, g in zip(params, state["kept"])])
+        return out
+
+    result = compare(step, backend, steps=3)
+    result.assert_ok()
+    assert result.stats["captures"] <= 2  # the second: .grad became defined
+    assert result.stats["cache_hits"] >= 1
+    assert result.stats["graph_breaks"] == 0 and result.stats["eager_fallbacks"] == 0
+
+
 class _MaybeRaisingBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, log, fail):  # type: ignore[override]

@@ -22,7 +22,6 @@ PARITY = REPO / "parity"
 README = REPO / "README.md"
 
 # Items of README's "Known differences from eager", quoted (whitespace aside).
-FRESH_GRAD = "A leaf accumulated inside the graph gets a fresh `.grad` tensor each step"
 CURRENT_NODE_IS_NONE = (
     "`torch._C._current_autograd_node()` called from a hook or a custom Function's backward returns `None`"
 )
@@ -34,7 +33,6 @@ ONE_PROFILER_RANGE = (
 
 #: Differences by design: test id -> the README known difference it shows.
 BY_DESIGN: dict[str, str] = {
-    "parity/test_hook_order.py::test_a_reference_to_grad_kept_from_the_last_step_sees_the_accumulation": FRESH_GRAD,
     "parity/test_introspection.py::test_current_autograd_node_in_a_tensor_hook_is_the_node_it_runs_before": (
         CURRENT_NODE_IS_NONE
     ),

@@ -95,10 +95,11 @@ def recomputable(hook: Any, cell: int, indices: Sequence[int | None]) -> bool:
     Reads nothing but the records: unpacking anything here (the region's
     saved inputs) could run another region's recompute at capture.
     """
-    return all(
-        index is not None and checkpoint_saved_metadata(hook, cell, index)["device"].type in _DEVICE_TYPES
-        for index in indices
-    )
+    for index in indices:
+        record = None if index is None else checkpoint_saved_metadata(hook, cell, index)
+        if record is None or record["device"].type not in _DEVICE_TYPES:
+            return False
+    return True
 
 
 def recompute_region(
@@ -114,12 +115,17 @@ def recompute_region(
     Inlined by Dynamo: ``hook`` (any of the region's unpack hooks) leads to
     the recorded metadata, and ``indices`` says which record each tensor has.
     """
+    records = [checkpoint_saved_metadata(hook, cell, index) for index in indices]
+    known = [record for record in records if record is not None]
+    if len(known) != len(records):
+        # A region of the same shape of graph whose checkpoint records nothing
+        # (determinism_check="none"): see [Note: A region without records on a hit].
+        return _unpack_behind_a_break(hook_ids, packed_ids)
     sizes: list[int] = []
     ranks: list[int] = []
     dtypes: list[int] = []
     devices: list[int] = []
-    for index in indices:
-        metadata = checkpoint_saved_metadata(hook, cell, index)
+    for metadata in known:
         shape = metadata["shape"]
         sizes.extend(shape)
         ranks.append(len(shape))
@@ -131,6 +137,26 @@ def recompute_region(
         after, hook_ids, packed_ids, sizes, ranks, dtypes, devices
     )
     return result
+
+
+# [Note: A region without records on a hit]
+# Whether a region is recomputed by the op is decided at capture, from its
+# records, and the cache key does not see the records: a later backward of
+# the same graph shape may come from a checkpoint with
+# ``determinism_check="none"`` (another module, a changed setting), whose
+# records are None. Dynamo guards on the records ``recompute_region`` read,
+# so such a backward re-traces it; it then unpacks the region behind a graph
+# break, as a capture of that region would have, instead of failing inside
+# the trace.
+
+
+@torch._dynamo.disable
+def _unpack_behind_a_break(hook_ids: list[int], packed_ids: list[int]) -> list[torch.Tensor]:
+    """The region's unpack hooks called in eager's order on real tensors; see [Note: A region without records on a hit]."""
+    return [
+        call_user(ca_core.running_graph_hook(h), ca_core.running_graph_hook(d))
+        for h, d in zip(hook_ids, packed_ids)
+    ]
 
 
 #: Dispatch keys excluded outside any compiled code (autocast's, while it is off).

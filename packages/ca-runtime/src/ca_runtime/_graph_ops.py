@@ -378,13 +378,32 @@ def accumulate_leaf(
     """
     if grad is None:
         return
-    if may_steal and variable.grad is None and _obeys_layout_contract(grad, variable):
+    current = variable.grad
+    if may_steal and current is None and _obeys_layout_contract(grad, variable):
         variable.grad = grad.detach()
+    elif current is not None and _adds_in_place(current, grad):
+        current.add_(grad)  # see [Note: A leaf's grad is added to in place]
     else:
-        torch.ops.inductor.accumulate_grad_.default(variable, variable.grad, grad)
+        torch.ops.inductor.accumulate_grad_.default(variable, current, grad)
     for hook in hooks:
         if call_user(hook, variable) is not None:
             raise user_error(RuntimeError("Tensor post accumulate grad hooks should return None."))
+
+
+# [Note: A leaf's grad is added to in place]
+# With grad mode off, eager's AccumulateGrad adds a new grad into the leaf's
+# existing dense .grad in place (``variable_grad += new_grad``): the .grad
+# tensor keeps its identity, so a reference kept from an earlier step, or a
+# .grad that is a view into a flat buffer (an optimizer's or a communication
+# library's contiguous grads), sees every grad. inductor::accumulate_grad_
+# returns a new tensor instead. So a leaf accumulated in the graph whose
+# .grad exists is added to with ``add_`` when eager would: grad mode off and
+# neither grad sparse (a sparse .grad gets a dense sum; a sparse grad into a
+# dense one stays the op's). Dynamo traces the add as a mutation of a graph
+# input, which AOTAutograd and Inductor write back into the same tensor.
+def _adds_in_place(current: torch.Tensor, grad: torch.Tensor) -> bool:
+    """Whether eager's AccumulateGrad would add ``grad`` into the existing ``.grad`` ``current`` in place."""
+    return not torch.is_grad_enabled() and current.layout == torch.strided and grad.layout == torch.strided
 
 
 # [Note: A leaf steals its first grad]

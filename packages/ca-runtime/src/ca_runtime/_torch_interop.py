@@ -498,13 +498,15 @@ def checkpoint_saved_index(frame: Any, packed: object) -> int | None:
     return None
 
 
-def checkpoint_saved_metadata(hook: Any, cell: int, index: int) -> dict[str, Any]:
+def checkpoint_saved_metadata(hook: Any, cell: int, index: int) -> dict[str, Any] | None:
     """8. Shape, dtype and device of saved tensor ``index`` of ``hook``'s region, as recorded at pack time.
+
+    None when the region's checkpoint records nothing (``determinism_check="none"``).
 
     Plain attribute reads, so that Dynamo inlines them and guards on the
     values (a new shape recompiles); see [Note: Checkpoint regions in the graph].
     """
-    metadata: dict[str, Any] = hook.__closure__[cell].cell_contents.x_metadatas[index]
+    metadata: dict[str, Any] | None = hook.__closure__[cell].cell_contents.x_metadatas[index]
     return metadata
 
 
