@@ -20,7 +20,7 @@ compiled autograd (same ``compiler_fn``, 1 CPU thread) and prints:
   implementation, summarised by shared object (where the CPU time goes:
   libtorch's kernels, the Python interpreter, ca_core, libc's allocator).
 
-This is the profile evidence ``bench/README.md`` cites.
+This is the profile evidence ``bench/LOG.md`` cites.
 
     python bench/profile_models.py [--workloads mlp:inductor,chain1000:eager] [--rows 12] [--perf] [--floor-only]
 """

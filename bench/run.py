@@ -587,7 +587,7 @@ def reset_all() -> None:
 #: compiled and eager, with eager timed a second time as "eager-again"; then
 #: torch's and eager. Torch's compiled autograd (Dynamo and a long Python
 #: graph) run between two of ours' backwards left ours' walk and graph cold
-#: and turned a chain of 100 muls from 0.73-0.79x eager to 1.02x (bench/README.md,
+#: and turned a chain of 100 muls from 0.73-0.79x eager to 1.02x (bench/LOG.md,
 #: 2026-12-02 "Paired ratios"); a training loop has its forward there instead.
 #: "eager-again" over "eager" is the A/A control: the spread that two runs
 #: of the same code show in these rounds, against which ours/eager is read.
@@ -860,7 +860,7 @@ def per_node_fresh(rounds: int) -> dict[str, Any]:
 
     The full run measures the chains after the model workloads, in a process
     whose heap and Python objects those left behind (ours' per-node cost
-    grows there, eager's barely; see bench/README.md). Here nothing else ran
+    grows there, eager's barely; see bench/LOG.md). Here nothing else ran
     first, and the four backwards alternate for ``rounds`` rounds; the slope
     between 10 and 1000 nodes of the median, 25th percentile and minimum.
     """

@@ -49,7 +49,8 @@ register_x(); module.cpp only calls them):
      and a miss is explained (see [Note: Explained misses]).
   4. Miss: describe.cpp turns the walked state into a BackwardGraph and
      ca_runtime's capture() builds and compiles an FX graph (see
-     [Note: Capture methods] in ca_runtime); hit: the stored function.
+     [Note: Capture methods] in ca_runtime, and its map, [Note: How a
+     backward flows through ca_runtime]); hit: the stored function.
   5. The graph runs: its apply_node(s)/validate_outputs calls are
      node_apply.cpp (saved values swapped in per call, or the node run as
      eager runs it where the values are its own: see [Note: Eager fast path]

@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <array>
 #include <chrono>
+#include <iterator>
 #include <optional>
 #include <typeinfo>
 
@@ -106,6 +107,30 @@ struct Counters {
   std::atomic<uint64_t> nodes_put_back{0};
 };
 Counters g_counters;
+
+/// One field of Counters, as counters() names it.
+struct CounterField {
+  /// Its key in counters()'s dict.
+  const char* name;
+  /// The field.
+  std::atomic<uint64_t> Counters::* field;
+};
+
+/// Every counter: the one table counters() and reset_counters() read, in
+/// counters()'s order. A field of Counters missing here is a build error
+/// below (the static_assert counts them).
+constexpr CounterField kCounterFields[] = {
+    {"captures", &Counters::captures},
+    {"cache_hits", &Counters::cache_hits},
+    {"eager_fallbacks", &Counters::eager_fallbacks},
+    {"eager_while_compiling", &Counters::eager_while_compiling},
+    {"eager_by_choice", &Counters::eager_by_choice},
+    {"eager_without_walk", &Counters::eager_without_walk},
+    {"nodes_put_back", &Counters::nodes_put_back},
+};
+static_assert(
+    sizeof(Counters) == std::size(kCounterFields) * sizeof(std::atomic<uint64_t>),
+    "every field of Counters has its row in kCounterFields");
 
 /// The ca_runtime object (capture, run_first, report_fallback), or null.
 PyObject* g_runtime = nullptr;
@@ -307,10 +332,12 @@ void run_final_callbacks(GraphTask& task) {
   }
 }
 
-/// What capture() returns: (compiled, leaf_outputs, leaf_hooks_only[,
-/// free_early[, may_run_eagerly]]).
+/// What capture() returns (Python's ca_core.CapturedGraph): the compiled
+/// graph and what the engine hook needs to run it.
 struct Captured {
+  /// The compiled callable (graph inputs -> outputs).
   nb::object compiled;
+  /// The walk index of each AccumulateGrad node whose grad the graph returns.
   std::vector<uint32_t> leaf_outputs;
   /// Per leaf output: the graph accumulated it; only its post hooks run.
   /// Empty when none is (the common case), so a cache hit copies nothing.
@@ -322,23 +349,22 @@ struct Captured {
   bool may_run_eagerly = false;
 };
 
-/// The tuple capture() returns, or nullopt for None.
+/// The CapturedGraph capture() returns, or nullopt for None.
 std::optional<Captured> unpack_capture(nb::handle result) {
   if (result.is_none()) {
     return std::nullopt;
   }
-  nb::tuple returned = nb::cast<nb::tuple>(result);
-  const size_t n = nb::len(returned);
+  Captured* returned = nullptr;
+  if (!nb::try_cast<Captured*>(result, returned) || returned == nullptr) {
+    throw nb::type_error(
+        (std::string("ca_core: capture() must return a ca_core.CapturedGraph or None, got ") +
+         Py_TYPE(result.ptr())->tp_name)
+            .c_str());
+  }
+  Captured out = *returned;
   TORCH_CHECK(
-      n >= 3 && n <= 5,
-      "ca_core: capture() must return (compiled, leaf_outputs, leaf_hooks_only[, free_early[, "
-      "may_run_eagerly]]) or None");
-  Captured out{
-      nb::borrow(returned[0]),
-      nb::cast<std::vector<uint32_t>>(returned[1]),
-      nb::cast<std::vector<bool>>(returned[2]),
-      n >= 4 ? nb::cast<std::vector<uint32_t>>(returned[3]) : std::vector<uint32_t>(),
-      n >= 5 && nb::cast<bool>(returned[4])};
+      out.hooks_only.empty() || out.hooks_only.size() == out.leaf_outputs.size(),
+      "ca_core: CapturedGraph.leaf_hooks_only must be empty or one per leaf output");
   if (std::find(out.hooks_only.begin(), out.hooks_only.end(), true) == out.hooks_only.end()) {
     out.hooks_only.clear();
   }
@@ -566,7 +592,7 @@ frees nothing until the backward ends, the allocator takes fresh pages for
 the grads meanwhile, and the backward's peak memory is that of a graph
 holding everything (tests/scripts/backward_peak_memory.py, eight 1024-wide
 layers: 35.4 MB against eager's 18.7 MB; and about 60 us more per backward
-on the benchmark's MLP, bench/README.md). lookup() runs before the
+on the benchmark's MLP, bench/LOG.md). lookup() runs before the
 BackwardState is made active, so nothing else points at it.
 */
 
@@ -1335,6 +1361,50 @@ PyObject* installed_runtime() {
 }
 
 void register_engine_hook(nb::module_& m) {
+  nb::class_<Captured>(
+      m,
+      "CapturedGraph",
+      "What a runtime's capture() returns: the compiled graph and what the engine hook needs to run "
+      "it; see ca_runtime's [Note: Capture methods].")
+      .def(
+          "__init__",
+          [](Captured* self,
+             nb::object compiled,
+             std::vector<uint32_t> leaf_outputs,
+             std::vector<bool> leaf_hooks_only,
+             std::vector<uint32_t> free_early,
+             bool may_run_eagerly) {
+            new (self) Captured{
+                std::move(compiled),
+                std::move(leaf_outputs),
+                std::move(leaf_hooks_only),
+                std::move(free_early),
+                may_run_eagerly};
+          },
+          nb::kw_only(),
+          nb::arg("compiled"),
+          nb::arg("leaf_outputs"),
+          nb::arg("leaf_hooks_only") = std::vector<bool>(),
+          nb::arg("free_early") = std::vector<uint32_t>(),
+          nb::arg("may_run_eagerly") = false)
+      .def_ro("compiled", &Captured::compiled, "The compiled callable (graph inputs -> outputs).")
+      .def_ro(
+          "leaf_outputs",
+          &Captured::leaf_outputs,
+          "The walk index of each AccumulateGrad node whose grad the graph returns.")
+      .def_ro(
+          "leaf_hooks_only",
+          &Captured::hooks_only,
+          "Per leaf output (or empty): the graph accumulated it already; only its grad_fn post hooks run.")
+      .def_ro(
+          "free_early",
+          &Captured::free_early,
+          "The nodes whose saved tensors may be dropped before a cache hit runs; see [Note: Saved "
+          "tensors freed early].")
+      .def_ro(
+          "may_run_eagerly",
+          &Captured::may_run_eagerly,
+          "Whether its hits may run on the eager engine where that measures faster.");
   m.def(
       "install_engine_hook",
       [](nb::object runtime, const std::string& compiler_key) {
@@ -1404,13 +1474,9 @@ void register_engine_hook(nb::module_& m) {
       "counters",
       []() {
         nb::dict d;
-        d["captures"] = g_counters.captures.load();
-        d["cache_hits"] = g_counters.cache_hits.load();
-        d["eager_fallbacks"] = g_counters.eager_fallbacks.load();
-        d["eager_while_compiling"] = g_counters.eager_while_compiling.load();
-        d["eager_by_choice"] = g_counters.eager_by_choice.load();
-        d["eager_without_walk"] = g_counters.eager_without_walk.load();
-        d["nodes_put_back"] = g_counters.nodes_put_back.load();
+        for (const CounterField& counter : kCounterFields) {
+          d[counter.name] = (g_counters.*counter.field).load();
+        }
         return d;
       },
       "captures, cache_hits, eager_fallbacks, eager_while_compiling, "
@@ -1422,13 +1488,9 @@ void register_engine_hook(nb::module_& m) {
   m.def(
       "reset_counters",
       []() {
-        g_counters.captures = 0;
-        g_counters.cache_hits = 0;
-        g_counters.eager_fallbacks = 0;
-        g_counters.eager_while_compiling = 0;
-        g_counters.eager_by_choice = 0;
-        g_counters.eager_without_walk = 0;
-        g_counters.nodes_put_back = 0;
+        for (const CounterField& counter : kCounterFields) {
+          g_counters.*counter.field = 0;
+        }
         g_timings.walk_ns = 0;
         g_timings.run_ns = 0;
         g_timings.finish_ns = 0;

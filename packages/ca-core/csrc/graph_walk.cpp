@@ -100,8 +100,8 @@ path's cost. Three things keep that down:
     to a later walk's nodes, so their vectors and hash-map buckets keep
     their storage. torch_private::clear_compiler_call empties every field
     to a fresh one's state (item 10 of torch_private.h; its layout is
-    checked at build time). Making and destroying them per node was 22-27 %
-    of a cache hit's own cost (bench/README.md, 2026-12-02). The spares a
+    checked at build time). Making and destroying them per node was about a
+    quarter of a cache hit's own cost (bench/LOG.md, 2026-12-02). The spares a
     state keeps are bounded by twice its last backward's node count.
 CompiledNodeArgs (torch's, holding a node's key bytes while the walk follows
 it) is still made per node.

@@ -11,8 +11,8 @@ namespace ca {
 /*
 [Note: Eager when it is faster]
 A compiled graph is not always faster than the eager engine: on the
-benchmark's small MLP, ours with Inductor's graph ran 7-10 % slower than
-eager (bench/README.md, 2026-12-01). So each cache entry times both ways and
+benchmark's small MLP, ours with Inductor's graph ran slower than eager
+(figures: bench/LOG.md, 2026-12-01). So each cache entry times both ways and
 serves its hits the faster way:
   - after its graph's first run, kWarmupRuns backwards run compiled untimed
     (Dynamo's and the allocator's caches settle);
@@ -34,9 +34,9 @@ serves its hits the faster way:
     of a shared machine that two medians taken over 16 backwards keep, and
     a tie goes to eager: a graph that is not measurably faster than the
     eager engine has nothing to gain, and "never slower than eager" is the
-    promise (bench/README.md, 2026-12-02 "Paired ratios": the transformer's
-    graph 3.5 % slower than eager was kept compiled under the old rule,
-    compiled unless more than 1 % slower by medians). A measurement whose
+    promise (bench/LOG.md, 2026-12-02 "Paired ratios": a graph slower than
+    eager was kept compiled under the old rule, compiled unless more than
+    1 % slower by medians). A measurement whose
     ratio is within kUndecidedBand of 1 is undecided: it times
     kTimedRunsPerWay more runs each way, up to kMaxTimedRunsPerWay, and
     then decides over all its pairs, so that a difference of 1-3 %, where

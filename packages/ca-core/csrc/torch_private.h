@@ -55,8 +55,15 @@
 // GraphTask's fields (exec_info_, dependencies_, final_callbacks_,
 // keep_graph_, thread_locals_), Engine::set_compiled_autograd and
 // Engine::execute_with_graph_task, the compiled-autograd types of
-// torch/csrc/dynamo/compiled_autograd.h. The Python side's private uses are
-// listed in ca_runtime/_torch_interop.py.
+// torch/csrc/dynamo/compiled_autograd.h; THPFunction's fields
+// (torch/csrc/autograd/python_function.h: saved_variables,
+// compiled_autograd_symints, is_variable_input, ...), read from a PyNode's
+// Python object in describe.cpp (a PyNode's pyobj() is a THPFunction); and
+// the pybind11 type casters of torch/csrc/utils/pybind.h for c10::SymInt and
+// c10::SymFloat (torch::is_symint/is_symfloat too), which turn the
+// torch.SymInt/SymFloat objects Dynamo passes while it traces into C++
+// values in node_apply.cpp. The Python side's private uses are listed in
+// ca_runtime/_torch_interop.py.
 #pragma once
 
 #include <nanobind/nanobind.h>

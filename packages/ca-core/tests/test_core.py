@@ -108,3 +108,31 @@ def test_hit_choice_decision_rejects_unpaired_timings() -> None:
         ca_core._C.hit_choice_decision([1, 2], [1])
     with pytest.raises(ValueError, match="equally long"):
         ca_core._C.hit_choice_decision([], [])
+
+
+class TupleRuntime(RecordingRuntime):
+    """Returns what capture() returned before CapturedGraph: a tuple."""
+
+    def capture(self, graph):
+        return (print, [], [])
+
+
+def test_a_capture_that_returns_no_captured_graph_is_a_clear_error() -> None:
+    x = torch.ones(3, requires_grad=True)
+    ca_core.install_engine_hook(TupleRuntime())
+    try:
+        with pytest.raises(
+            RuntimeError, match=r"capture\(\) must return a ca_core.CapturedGraph or None, got tuple"
+        ):
+            (x * 2).sum().backward()
+    finally:
+        ca_core.uninstall_engine_hook()
+    assert ca_core.installed_runtime() is None
+
+
+def test_a_captured_graph_names_its_fields() -> None:
+    captured = ca_core.CapturedGraph(compiled=print, leaf_outputs=[3, 1], free_early=[2])
+    assert (captured.compiled, captured.leaf_outputs, captured.leaf_hooks_only) == (print, [3, 1], [])
+    assert (captured.free_early, captured.may_run_eagerly) == ([2], False)
+    with pytest.raises(TypeError):
+        ca_core.CapturedGraph(print, [3, 1])  # keywords only

@@ -405,3 +405,215 @@ def test_20_functorchs_generated_vmap_rule_is_recognised() -> None:
     generated = torch.func.vmap(Exp.apply)(x).grad_fn
     assert _torch_interop.is_generated_vmap_rule(generated._forward_cls)
     assert not _torch_interop.is_generated_vmap_rule(Exp.apply(x).grad_fn._forward_cls)
+
+
+def test_21_inductors_compile_entry_points_take_what_the_background_compiler_passes() -> None:
+    """See [Note: Compiling in the background]: the wrapper BackgroundInductor subclasses, and compile_fx's arguments."""
+    import torch._inductor.compile_fx
+
+    wrapper = _torch_interop.optimized_module_backend(torch.compile(torch.nn.Identity()))  # inductor, not run
+    assert isinstance(wrapper, _torch_interop.TorchCompileInductorWrapper)
+    assert wrapper.config == {} and wrapper.name is None
+    assert {"inner_compile", "compile_region_name"} <= set(
+        inspect.signature(torch._inductor.compile_fx.compile_fx).parameters
+    )
+    assert list(inspect.signature(torch._inductor.compile_fx.compile_fx_inner).parameters)[:2] == [
+        "gm",
+        "example_inputs",
+    ]
+    assert hasattr(torch._inductor.config, "distributed_max_autotune_gemm")
+    assert _torch_interop.inductor_autotunes_across_ranks() is False
+    with torch._inductor.config.patch(distributed_max_autotune_gemm=True):
+        assert _torch_interop.inductor_autotunes_across_ranks() is True
+    assert _torch_interop.aot_autograd_bundles_its_cache() is False
+
+
+def test_21_compile_fx_inner_is_looked_up_at_each_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tests (and torch's own patches) replace compile_fx_inner on its module; the call must reach the replacement."""
+    import torch._inductor.compile_fx
+
+    calls: list[object] = []
+    monkeypatch.setattr(torch._inductor.compile_fx, "compile_fx_inner", lambda *a, **k: calls.append((a, k)))
+    _torch_interop.inductor_compile_fx_inner("gm", ["x"], is_inference=True)  # type: ignore[arg-type]
+    assert calls == [(("gm", ["x"]), {"is_inference": True})]
+
+
+def test_22_the_capture_state_a_compile_thread_takes_over() -> None:
+    """See [Note: State at capture time]: torch's global flags, Dynamo's contexts and compile lock, autocast off."""
+    state = _torch_interop.TorchGlobalState()
+    assert state.unchanged()
+    with torch.no_grad():
+        assert not state.unchanged() and "grad_mode" in state.changes()
+    tracing = torch._guards.TracingContext(None)
+    compiling = torch._guards.CompileContext(None)
+    with torch._guards.compile_context(compiling), torch._guards.tracing(tracing):
+        contexts = _torch_interop.DynamoCompileContexts()
+    assert contexts.tracing is tracing and contexts.compiling is compiling
+    assert torch._guards.TracingContext.try_get() is None
+    with contexts.reentered():
+        assert torch._guards.TracingContext.try_get() is tracing
+        assert torch._guards.CompileContext.try_get() is compiling
+    assert torch._guards.TracingContext.try_get() is None and torch._guards.CompileContext.try_get() is None
+
+    from torch._dynamo.convert_frame import compile_lock
+
+    assert _torch_interop.dynamo_compile_lock() is compile_lock
+    a = torch.ones(2, 2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert (a @ a).dtype == torch.bfloat16
+        with _torch_interop.autocast_disabled():
+            assert (a @ a).dtype == torch.float32
+
+
+def test_23_dynamo_cache_entries_are_read_as_dynamos_lookup_reads_them() -> None:
+    """See [Note: Calling Dynamo's cached code directly]: backend, guards, transformed code and compile id."""
+    import types
+
+    gm = torch.fx.symbolic_trace(torch.nn.ReLU())
+    compiled = torch.compile(gm, backend="eager", dynamic=False)
+    x = torch.ones(3)
+    compiled(x)
+    entries = _torch_interop.dynamo_cache_entries(type(gm).forward.__code__)
+    assert len(entries) == 1
+    (entry,) = entries
+    assert entry.backend is _torch_interop.optimized_module_backend(compiled)
+    assert entry.guards_pass({"self": gm, "input": x})
+    assert not entry.guards_pass({"self": gm, "input": torch.ones(5)})  # another shape
+    assert isinstance(entry.code, types.CodeType) and str(entry.compile_id)
+    assert _torch_interop.dynamo_cache_entries(torch.nn.Identity.forward.__code__) == []
+    torch._dynamo.reset()
+
+
+def test_24_what_dynamos_call_wrappers_check_is_read() -> None:
+    """See [Note: Calling Dynamo's cached code directly]: when the wrappers around a call would do more than look up."""
+    from torch._dynamo.mutation_guard import GenerationTracker
+
+    assert _torch_interop.dynamo_wrappers_inert()
+    with torch.compiler.set_stance("force_eager"):
+        assert not _torch_interop.dynamo_wrappers_inert()
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda *args: None)
+    try:
+        assert not _torch_interop.dynamo_wrappers_inert()
+    finally:
+        handle.remove()
+    with torch._guards.tracing(torch._guards.TracingContext(None)):
+        assert not _torch_interop.dynamo_wrappers_inert()
+    assert _torch_interop.dynamo_wrappers_inert()
+
+    gm = torch.fx.symbolic_trace(torch.nn.ReLU())
+    assert _torch_interop.is_plain_torch_compile_of(torch.compile(gm, backend="eager"), gm)
+    assert _torch_interop.is_plain_torch_compile_of(torch.compile(gm, backend="eager", dynamic=True), gm)
+    assert not _torch_interop.is_plain_torch_compile_of(torch.compile(gm, backend="eager"), torch.nn.ReLU())
+    assert not _torch_interop.is_plain_torch_compile_of(gm, gm)
+    hooked = torch.compile(gm, backend="eager")
+    hooked.register_forward_hook(lambda *args: None)
+    assert not _torch_interop.is_plain_torch_compile_of(hooked, gm)
+
+    before = GenerationTracker.generation
+    _torch_interop.bump_dynamo_generation()
+    assert GenerationTracker.generation == before + 1
+    assert _torch_interop.profiler_enabled() is False
+    with torch.autograd.profiler.profile():
+        assert _torch_interop.profiler_enabled() is True
+    assert _torch_interop.profiler_enabled() is False
+
+
+def test_25_eagers_excluded_dispatch_keys_are_put_back() -> None:
+    """See [Note: Recomputing with autograd on]: inside an AOTAutograd backward autograd's keys are excluded."""
+    eager = _torch_interop.excluded_dispatch_keys()
+    x = torch.ones(2, requires_grad=True)
+    with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradCPU)):
+        assert not (x * 2).requires_grad and _torch_interop.excluded_dispatch_keys() != eager
+        with _torch_interop.dispatch_keys_excluded_as(eager):
+            assert (x * 2).requires_grad and _torch_interop.excluded_dispatch_keys() == eager
+        assert not (x * 2).requires_grad
+    assert _torch_interop.excluded_dispatch_keys() == eager
+
+
+def test_26_the_privateuse1_backend_names_a_device_type() -> None:
+    name = _torch_interop.privateuse1_device_type()
+    assert isinstance(name, str) and torch.device(name).type == name
+
+
+def test_27_cpp_reference_counts_of_a_tensor_and_its_storage() -> None:
+    """See [Note: Checkpoint regions in the graph]: what _fresh_and_dense counts to find a tensor nothing else holds."""
+    t = torch.ones(3)
+    assert _torch_interop.tensor_use_count(t) == 1
+    storage = t.untyped_storage()
+    key = _torch_interop.storage_key(storage)
+    assert _torch_interop.storage_key(t.untyped_storage()) == key  # one key per C++ storage
+    assert _torch_interop.storage_use_count(key) == 2  # t and the Python storage object
+    alias = t[:2]
+    assert _torch_interop.storage_use_count(key) == 3
+    del alias
+    assert _torch_interop.storage_use_count(key) == 2
+
+
+def test_28_inductor_config_and_custom_pass_base_are_where_torch_documents_them() -> None:
+    config = _torch_interop.inductor_config()
+    assert hasattr(config, "reorder_for_locality") and callable(config._is_default)
+    assert issubclass(_torch_interop.CustomGraphPass, object) and callable(_torch_interop.get_hash_for_files)
+
+
+def test_29_maybe_mark_dynamic_marks_a_dimension() -> None:
+    t = torch.ones(3, 4)
+    _torch_interop.maybe_mark_dynamic(t, 1)
+    assert 1 in getattr(t, "_dynamo_weak_dynamic_indices", set())
+
+
+#: Modules of ca_runtime that may name private torch: the audited place, and
+#: what is used in place because it is what the module is about (item 6).
+_PRIVATE_TORCH_ALLOWED = {"_torch_interop.py", "_aot.py"}
+
+
+def _private_torch_names(source: str) -> list[tuple[int, str]]:
+    """``torch.X._y`` attribute reads and ``torch._x`` imports in ``source``: (line, dotted name)."""
+    import ast
+
+    def dotted(node: ast.AST) -> list[str] | None:
+        parts: list[str] = []
+        while isinstance(node, ast.Attribute):
+            parts.append(node.attr)
+            node = node.value
+        return [node.id, *reversed(parts)] if isinstance(node, ast.Name) else None
+
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(source)):
+        names: list[str] = []
+        if isinstance(node, ast.Attribute):
+            chain = dotted(node)
+            if chain and chain[0] == "torch":
+                names.append(".".join(chain))
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch":
+            names += [f"{node.module}.{alias.name}" for alias in node.names]
+        elif isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names if alias.name.split(".")[0] == "torch"]
+        for name in names:
+            if any(part.startswith("_") and not part.endswith("__") for part in name.split(".")[1:]):
+                found.append((node.lineno, name))
+    return found
+
+
+def test_private_torch_names_appear_only_in_the_audited_modules() -> None:
+    """Every private torch name ca_runtime uses goes through _torch_interop.py (an AST scan of the sources)."""
+    import pathlib
+
+    import ca_runtime
+
+    root = pathlib.Path(ca_runtime.__file__).parent
+    outside = {
+        f"{path.relative_to(root)}:{line}: {name}"
+        for path in sorted(root.rglob("*.py"))
+        if path.name not in _PRIVATE_TORCH_ALLOWED
+        for line, name in _private_torch_names(path.read_text())
+    }
+    assert outside == set(), "private torch outside _torch_interop.py: add an item there and call it"
+
+
+def test_the_private_torch_scan_sees_attributes_and_imports() -> None:
+    source = "import torch\nimport torch._dynamo\nfrom torch._C import _x\nx = torch.fx.graph_module._loader\ny = torch.nn.Linear\n"
+    assert sorted(name for _, name in _private_torch_names(source)) == [
+        "torch._C._x",
+        "torch._dynamo",
+        "torch.fx.graph_module._loader",
+    ]

@@ -1,6 +1,6 @@
 # Hand-written stubs of the ca_core._C extension (checked by tests/test_stubs.py).
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -144,6 +144,29 @@ class BackwardGraph:
     def miss_reason(self) -> str: ...
     @property
     def entry_id(self) -> int: ...
+
+class CapturedGraph:
+    """What a runtime's capture() returns: the compiled graph and what the engine hook needs to run it."""
+
+    def __init__(
+        self,
+        *,
+        compiled: Callable[..., Any],
+        leaf_outputs: Sequence[int],
+        leaf_hooks_only: Sequence[bool] = ...,
+        free_early: Sequence[int] = ...,
+        may_run_eagerly: bool = False,
+    ) -> None: ...
+    @property
+    def compiled(self) -> Callable[..., Any]: ...
+    @property
+    def leaf_outputs(self) -> list[int]: ...
+    @property
+    def leaf_hooks_only(self) -> list[bool]: ...
+    @property
+    def free_early(self) -> list[int]: ...
+    @property
+    def may_run_eagerly(self) -> bool: ...
 
 class CacheTreeNode:
     """One node of the shadow-graph cache (cache_tree())."""

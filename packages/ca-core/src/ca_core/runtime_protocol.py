@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     import torch
 
-    from ca_core._C import BackwardGraph
+    from ca_core._C import BackwardGraph, CapturedGraph
 
 __all__ = ["EngineRuntime"]
 
@@ -23,13 +23,11 @@ class EngineRuntime(Protocol):
     #: Why the last capture or first run failed (stored on the failed cache entry).
     last_failure: str
 
-    def capture(
-        self, graph: BackwardGraph
-    ) -> tuple[Callable[..., Any], list[int], list[bool], list[int], bool] | None:
+    def capture(self, graph: BackwardGraph) -> CapturedGraph | None:
         """Build and compile the graph of a walked backward, or None to run it eagerly.
 
-        Returns (compiled, leaf_outputs, leaf_hooks_only, free_early, may_run_eagerly); see ca_runtime's
-        [Note: Capture methods].
+        Returns a ``CapturedGraph`` (compiled, leaf_outputs, leaf_hooks_only, free_early,
+        may_run_eagerly); see ca_runtime's [Note: Capture methods].
         """
         ...
 

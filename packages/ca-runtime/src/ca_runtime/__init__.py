@@ -3,6 +3,35 @@
 Inside ``enable(compiler_fn)``, ``loss.backward()`` is captured once into an FX
 graph, compiled with ``compiler_fn`` and served from a cache on later steps;
 what cannot be compiled runs on the eager engine with one warning.
+
+[Note: How a backward flows through ca_runtime]
+The Python half of the map whose C++ half is [Note: How a backward flows
+through ca_core] (ca_core.h). One module per step, in the order a backward
+meets them:
+
+- ``_enable.py``: ``enable()`` resolves ``compiler_fn`` (``_compiler_key.py``
+  names the cache it serves from), makes a ``Runtime`` and installs it as
+  ca_core's engine hook, restoring the previous hook on exit.
+- ca_core walks the graph; on a hit it calls the stored compiled callable and
+  nothing here runs but that callable (for a ``torch.compile`` result,
+  Dynamo's cached code called directly once its guards pass:
+  ``_dynamo_direct.py``).
+- On a miss, ``Runtime.capture`` (``_runtime.py``, [Note: Capture methods]):
+  ``_capture.py`` writes the engine's loop out as an FX graph, each node as
+  its rule in ``_node_rules.py`` says (traced, a graph break, unsupported),
+  out of the calls in ``_graph_ops.py`` (node applies, output checks, leaf
+  accumulation, hook calls, the user-error tag); a checkpoint region's
+  recompute is one op (``_checkpoint.py``), a ``torch.compile``d region's
+  backward is copied in (``_aot.py``). ``_node_runs.py`` fuses runs of node
+  calls into one; then ``compiler_fn`` compiles it (``create_graph=True``
+  graphs with Dynamo's eager backend, Inductor with ``_inductor_passes.py``
+  and, in the background, ``_background.py``).
+- ``Runtime.run_first`` makes the first call, where a lazy compiler does its
+  work; a failure there runs the backward eagerly with one warning
+  (``_log.py``), a user's error is raised unchanged.
+- What Python alone knows (graph breaks, the last graph, records for
+  ``report()``) is process state in ``_state.py`` and ``_report/``; every
+  private torch API the Python side uses is in ``_torch_interop.py``.
 """
 
 from __future__ import annotations

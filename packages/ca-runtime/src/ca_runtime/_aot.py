@@ -79,7 +79,7 @@ def _prologue_for(compiled_function: type) -> Callable[..., Any]:
         ) -> list[Any]:
             return prologue(list(saved), list(symints), list(opaque), list(grads))
 
-        wrapped = torch._dynamo.allow_in_graph(aot_backward_prologue)
+        wrapped = torch.compiler.allow_in_graph(aot_backward_prologue)
         _prologues[compiled_function] = wrapped
     return wrapped
 

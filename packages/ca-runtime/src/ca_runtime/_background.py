@@ -105,6 +105,17 @@ import torch
 import torch.fx
 
 from ca_runtime._log import EagerFallbackWarning, log, warn_at_user_line
+from ca_runtime._torch_interop import (
+    DynamoCompileContexts,
+    TorchCompileInductorWrapper,
+    TorchGlobalState,
+    aot_autograd_bundles_its_cache,
+    autocast_disabled,
+    dynamo_compile_lock,
+    inductor_autotunes_across_ranks,
+    inductor_compile_fx,
+    inductor_compile_fx_inner,
+)
 
 __all__ = [
     "BackgroundInductor",
@@ -294,11 +305,9 @@ def _reason_to_compile_here(
         return "Inductor's freezing is on"
     if any(_is_symbolic(x) for x in example_inputs):
         return "it has symbolic sizes"
-    if getattr(torch._inductor.config, "distributed_max_autotune_gemm", False):
+    if inductor_autotunes_across_ranks():
         return "distributed autotuning talks to other ranks while compiling"
-    from torch._functorch._aot_autograd.autograd_cache import should_bundle_autograd_cache
-
-    if should_bundle_autograd_cache():
+    if aot_autograd_bundles_its_cache():
         return "AOTAutograd's bundled cache needs Inductor's output at once"
     for node in gm.graph.nodes:
         if node.op == "call_function" and getattr(node.target, "namespace", None) in _COLLECTIVE_NAMESPACES:
@@ -306,9 +315,9 @@ def _reason_to_compile_here(
     return None
 
 
-def _changed_since(global_state: Any) -> str:
+def _changed_since(global_state: TorchGlobalState) -> str:
     """Which process-global torch state differs from the capture's, or ""; see [Note: State at capture time]."""
-    return "" if global_state.check() else f"torch's global state ({global_state.reason()})"
+    return "" if global_state.unchanged() else f"torch's global state ({global_state.changes()})"
 
 
 def _graph_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -370,20 +379,18 @@ class _DeferredCompile:
         self.started = False
         self._first_run_lock = threading.Lock()
         # Taken in ``attach``, inside compile_fx: see [Note: State at capture time].
-        self._global_state: Any = None
+        self._global_state: TorchGlobalState | None = None
         self._context = contextvars.Context()
-        self._tracing: Any = None
-        self._compiling: Any = None
+        self._compile_contexts: DynamoCompileContexts | None = None
 
     def attach(
         self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], kwargs: dict[str, Any]
     ) -> Callable[[list[Any]], Any]:
         """Takes AOTAutograd's ATen graph; returns the callable AOTAutograd calls (only once the kernels exist)."""
         self.aten = (gm, example_inputs, kwargs)
-        self._global_state = torch._C._dynamo.guards.GlobalStateGuard()
+        self._global_state = TorchGlobalState()
         self._context = contextvars.copy_context()
-        self._tracing = torch._guards.TracingContext.try_get()
-        self._compiling = torch._guards.CompileContext.try_get()
+        self._compile_contexts = DynamoCompileContexts()
 
         def call_kernels(args: list[Any]) -> Any:
             assert self.kernels is not None, "ca_runtime: AOTAutograd called a backward graph still compiling"
@@ -417,23 +424,20 @@ class _DeferredCompile:
                 )
 
     def _compile_now(self) -> Any:
-        from torch._dynamo.convert_frame import compile_lock
-        from torch._inductor.compile_fx import compile_fx_inner
-
-        assert self.aten is not None
+        assert self.aten is not None and self._compile_contexts is not None
         gm, example_inputs, kwargs = self.aten
         with (
-            compile_lock,  # see [Note: One Inductor compile at a time]
-            torch._guards.compile_context(self._compiling),
-            torch._guards.tracing(self._tracing),
+            dynamo_compile_lock(),  # see [Note: One Inductor compile at a time]
+            self._compile_contexts.reentered(),
         ):
-            return compile_fx_inner(gm, example_inputs, **kwargs)
+            return inductor_compile_fx_inner(gm, example_inputs, **kwargs)
 
     def _compile_graph(self) -> None:
         """The thread's work: compile, then hand the kernels to ``run``."""
         begun = time.perf_counter()
         try:
-            with torch.no_grad(), torch._C._DisableAutocast():
+            with torch.no_grad(), autocast_disabled():
+                assert self._global_state is not None  # taken in attach, before the thread starts
                 changed = _changed_since(self._global_state)
                 if changed:
                     # See [Note: State at capture time].
@@ -469,18 +473,16 @@ def _inner_compile(
     gm: torch.fx.GraphModule, example_inputs: Sequence[Any], deferred: _DeferredCompile, **kwargs: Any
 ) -> Any:
     """Inductor's ``inner_compile`` for ``BackgroundInductor``; see [Note: Compiling in the background]."""
-    from torch._inductor.compile_fx import compile_fx_inner
-
     reason = _reason_to_compile_here(gm, example_inputs, kwargs)
     if reason is None and deferred.aten is not None:
         reason = "its Dynamo graph already has an ATen graph compiling"
     if reason is not None:
         log.debug("ca_runtime: compiling a backward graph on the calling thread: %s", reason)
-        return compile_fx_inner(gm, example_inputs, **kwargs)
+        return inductor_compile_fx_inner(gm, example_inputs, **kwargs)
     return deferred.attach(gm, example_inputs, kwargs)
 
 
-class BackgroundInductor(torch._TorchCompileInductorWrapper):
+class BackgroundInductor(TorchCompileInductorWrapper):
     """The Dynamo backend of ``compile_in_background=True``: Inductor, its kernels compiled on a thread."""
 
     def __init__(self) -> None:
@@ -489,12 +491,10 @@ class BackgroundInductor(torch._TorchCompileInductorWrapper):
     def __call__(
         self, model_: torch.fx.GraphModule, inputs_: Sequence[Any], *, config_patches: Any = None
     ) -> Any:
-        from torch._inductor.compile_fx import compile_fx
-
         if self.config or config_patches:
             return super().__call__(model_, inputs_, config_patches=config_patches)
         deferred = _DeferredCompile(_graph_copy(model_))  # before Inductor's passes rewrite model_
-        compiled = compile_fx(
+        compiled = inductor_compile_fx(
             model_,
             inputs_,
             inner_compile=functools.partial(_inner_compile, deferred=deferred),

@@ -63,7 +63,15 @@ import ca_core
 import torch
 
 from ca_runtime._graph_ops import call_user
-from ca_runtime._torch_interop import checkpoint_saved_metadata
+from ca_runtime._torch_interop import (
+    checkpoint_saved_metadata,
+    dispatch_keys_excluded_as,
+    excluded_dispatch_keys,
+    privateuse1_device_type,
+    storage_key,
+    storage_use_count,
+    tensor_use_count,
+)
 
 __all__ = ["recomputable", "recompute_region"]
 
@@ -81,7 +89,7 @@ _DEVICE_TYPES: tuple[str, ...] = (
     "hpu",
     "mtia",
     "meta",
-    torch._C._get_privateuse1_backend_name(),
+    privateuse1_device_type(),
 )
 
 
@@ -150,7 +158,7 @@ def recompute_region(
 # the trace.
 
 
-@torch._dynamo.disable
+@torch.compiler.disable
 def _unpack_behind_a_break(hook_ids: list[int], packed_ids: list[int]) -> list[torch.Tensor]:
     """The region's unpack hooks called in eager's order on real tensors; see [Note: A region without records on a hit]."""
     return [
@@ -160,7 +168,7 @@ def _unpack_behind_a_break(hook_ids: list[int], packed_ids: list[int]) -> list[t
 
 
 #: Dispatch keys excluded outside any compiled code (autocast's, while it is off).
-_EAGER_EXCLUDED_KEYS = torch._C._dispatch_tls_local_exclude_set()
+_EAGER_EXCLUDED_KEYS = excluded_dispatch_keys()
 
 # [Note: Recomputing with autograd on]
 # The recompute must record an autograd graph: checkpoint's pack hooks, which
@@ -192,7 +200,7 @@ def _checkpoint_recompute(
     devices: list[int],
 ) -> list[torch.Tensor]:
     # See [Note: Recomputing with autograd on].
-    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), _EAGER_EXCLUDED_KEYS):
+    with dispatch_keys_excluded_as(_EAGER_EXCLUDED_KEYS):
         unpacked = [
             call_user(ca_core.running_graph_hook(h), ca_core.running_graph_hook(d))
             for h, d in zip(hook_ids, packed_ids)
@@ -294,15 +302,15 @@ def _fresh_and_dense(
             )
         del t
         # Held by our list alone, in Python and in C++.
-        alone[i] = _references(tensors[i]) == list_slot_only and tensors[i]._use_count() == 1  # type: ignore[attr-defined]
+        alone[i] = _references(tensors[i]) == list_slot_only and tensor_use_count(tensors[i]) == 1
         storage = tensors[i].untyped_storage()
-        storages.setdefault(storage._cdata, (storage, []))[1].append(i)
+        storages.setdefault(storage_key(storage), (storage, []))[1].append(i)
     out = list(tensors)
     for key, (_, users) in storages.items():
         # References: the storage object we hold, one per distinct tensor of
         # ours; any other is an alias (a parameter, a region input) we cannot see.
         distinct = len({id(tensors[i]) for i in users})
-        shared = torch._C._storage_Use_Count(key) - 1 > distinct or not all(alone[i] for i in users)
+        shared = storage_use_count(key) - 1 > distinct or not all(alone[i] for i in users)
         for n, i in enumerate(users):
             if shared or n > 0:
                 out[i] = tensors[i].clone(memory_format=torch.contiguous_format)

@@ -42,7 +42,8 @@ computation as Dynamo's:
   then), no global ``nn.Module`` hook is registered, and neither module has
   hooks of its own (checked once: both are ours), and Dynamo's context has no
   per-call enter hook but those that matter only to a compile
-  (``_COMPILE_ONLY_HOOKS``).
+  (``_COMPILE_ONLY_HOOKS``). What Dynamo keeps and checks here is read
+  through _torch_interop.py (items 23 and 24).
 
 Anything else calls the ``OptimizedModule`` as before; see [Note: A
 recompile that fails on a hit] for when that call's compile fails.
@@ -103,18 +104,19 @@ import types
 from typing import Any
 
 import torch
-from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list, get_eval_frame_callback
-from torch._dynamo import eval_frame
-from torch._dynamo.mutation_guard import GenerationTracker
-from torch.fx._symbolic_trace import is_fx_symbolic_tracing
-from torch.nn.modules.module import _has_any_global_hook
 
 from ca_runtime._graph_ops import USER_ERROR_TAG
 from ca_runtime._log import EagerFallbackWarning, describe_error, log, warn_at_user_line
 from ca_runtime._torch_interop import (
+    bump_dynamo_generation,
     compiled_frame_id,
+    dynamo_cache_entries,
+    dynamo_wrappers_inert,
     failed_compile_frame_id,
+    is_plain_torch_compile_of,
     later_frames_run_uncompiled_on_failure,
+    optimized_module_backend,
+    profiler_enabled,
 )
 
 __all__ = [
@@ -234,7 +236,7 @@ class DirectDynamoCall:
         self._globals = type(gm).forward.__globals__
         #: The backend Dynamo stores on the entries ``compiled`` makes (as
         #: Dynamo's lookup derives it from the callback).
-        self.backend = eval_frame.innermost_backend(compiled.dynamo_ctx.callback)
+        self.backend = optimized_module_backend(compiled)
         #: Per transformed code seen, by id (a code object whose constants
         #: include a dict, as Dynamo's replay of a hook registered by a hook
         #: has, cannot be hashed): the code, kept alive so that its id stays
@@ -260,16 +262,7 @@ class DirectDynamoCall:
         return function
 
     def __call__(self, inputs: list[Any], sizes: list[Any], scalars: list[Any], hooks: list[Any]) -> Any:
-        stance = eval_frame._stance
-        if (
-            stance.stance == "default"
-            and stance.backend is None
-            and get_eval_frame_callback() is None
-            and not _has_any_global_hook()
-            and not torch._C._is_tracing()
-            and not is_fx_symbolic_tracing()
-            and torch._guards.TracingContext.try_get() is None
-        ):
+        if dynamo_wrappers_inert():
             frame_locals = {
                 "self": self.gm,
                 "inputs": inputs,
@@ -277,29 +270,23 @@ class DirectDynamoCall:
                 "scalars": scalars,
                 "hooks": hooks,
             }
-            for entry in _debug_get_cache_entry_list(self._code):
-                # Read at once: the entry is Dynamo's C++ object, which a
-                # reset on another thread could free.
-                backend, guards, code, compile_id = (
-                    entry.backend,
-                    entry.guard_manager,
-                    entry.code,
-                    entry.compile_id,
-                )
-                if backend is not self.backend:
+            for entry in dynamo_cache_entries(self._code):
+                if entry.backend is not self.backend:
                     continue
                 try:
-                    passed = guards.check(frame_locals)
+                    passed = entry.guards_pass(frame_locals)
                 except Exception:  # noqa: BLE001 - Dynamo's own call reports a guard error
                     break
-                function = self._function_for(code) if passed else None
+                function = self._function_for(entry.code) if passed else None
                 if function is not None:
                     _COUNTS.direct_calls += 1
                     # What Dynamo's per-call enter hook does besides its
-                    # one-time patch; see _COMPILE_ONLY_HOOKS.
-                    GenerationTracker.generation += 1
-                    if torch.autograd.profiler._is_profiler_enabled:
-                        with torch.autograd.profiler.record_function(f"Torch-Compiled Region: {compile_id}"):
+                    # one-time patch; see _torch_interop's _COMPILE_ONLY_HOOKS.
+                    bump_dynamo_generation()
+                    if profiler_enabled():
+                        with torch.autograd.profiler.record_function(
+                            f"Torch-Compiled Region: {entry.compile_id}"
+                        ):
                             return function(self.gm, inputs, sizes, scalars, hooks)
                     return function(self.gm, inputs, sizes, scalars, hooks)
         if self._recompile_failed:
@@ -352,42 +339,8 @@ class DirectDynamoCall:
         return self.gm(inputs, sizes, scalars, hooks)
 
 
-def _has_hooks(module: torch.nn.Module) -> bool:
-    return bool(
-        module._forward_hooks
-        or module._forward_pre_hooks
-        or module._backward_hooks
-        or module._backward_pre_hooks
-        or getattr(module, "_forward_hooks_with_kwargs", None)
-        or hasattr(module, "_initialize_hook")
-    )
-
-
-#: Dynamo's per-call enter hooks that the direct path may skip:
-#: ``torch.compile``'s ``call_on_enter`` (a one-time patch of
-#: ``nn.Module.__init__``, made by the first, normal call, and a bump of
-#: ``GenerationTracker.generation``, which the direct call makes too: CUDA
-#: graph trees read it to tell a new invocation) and the config patch of
-#: ``dynamic=``/``shapes_spec`` (``change``), which matters only to a compile.
-_COMPILE_ONLY_HOOKS = {
-    ("torch._dynamo.eval_frame", "call_on_enter"),
-    ("torch.utils._config_module", "change"),
-}
-
-
-def _only_while_compiling(hook: Any) -> bool:
-    return (getattr(hook, "__module__", None), getattr(hook, "__name__", None)) in _COMPILE_ONLY_HOOKS
-
-
 def wrap_if_dynamo_module(compiled: Any, gm: torch.fx.GraphModule) -> Any:
     """``compiled`` as a ``DirectDynamoCall`` when it is ``torch.compile(gm)`` as the Note needs; else unchanged."""
-    if (
-        type(compiled) is eval_frame.OptimizedModule
-        and compiled._orig_mod is gm
-        and type(compiled.dynamo_ctx) is eval_frame.OptimizeContext
-        and all(_only_while_compiling(hook) for hook in compiled.dynamo_ctx.enter_exit_hooks)
-        and not _has_hooks(compiled)
-        and not _has_hooks(gm)
-    ):
+    if is_plain_torch_compile_of(compiled, gm):
         return DirectDynamoCall(compiled, gm)
     return compiled

@@ -37,11 +37,12 @@ import ca_core
 import torch
 from ca_core.runtime_protocol import EngineRuntime
 
-from ca_runtime._background import BackgroundInductor, background_counts, reset_background_counts
+from ca_runtime._background import BackgroundInductor
 from ca_runtime._compiler_key import compiler_key, forget_captures, forget_compiler_keys
-from ca_runtime._dynamo_direct import reset_uncompiled_runs, uncompiled_runs
+from ca_runtime._counters import reset_counters
+from ca_runtime._counters import stats as counter_values
 from ca_runtime._log import warn_at_user_line
-from ca_runtime._runtime import CompilerFn, Runtime, graph_break_count, reset_graph_breaks
+from ca_runtime._runtime import CompilerFn, Runtime
 from ca_runtime._torch_interop import (
     keep_hook_across_torch_disable,
     rearm_torch_compiled_autograd,
@@ -84,7 +85,7 @@ class _HookState:
 
 
 def _valid_backends() -> list[str]:
-    return sorted(torch._dynamo.list_backends(exclude_tags=()))
+    return sorted(torch.compiler.list_backends(exclude_tags=()))
 
 
 @functools.cache
@@ -313,10 +314,7 @@ def reset() -> None:
     """Empties the shadow-graph cache (of every compiler), zeroes the counters and forgets ``last_graph()``."""
     ca_core.clear_cache()
     forget_captures()
-    ca_core.reset_counters()
-    reset_graph_breaks()
-    reset_background_counts()
-    reset_uncompiled_runs()
+    reset_counters()
 
 
 def cache_clear_failed() -> None:
@@ -341,34 +339,18 @@ def _release_at_exit() -> None:
 
 
 def stats() -> dict[str, int]:
-    """Counters since the last ``reset()``.
+    """Counters since the last ``reset()``: ``{name: count}``, one per row of the table below.
 
     ``captures`` (graphs captured and compiled), ``cache_hits`` (backwards
     served from the cache), ``graph_breaks`` (calls that run eagerly behind a
     graph break, summed over the captured graphs), ``eager_fallbacks``
-    (backwards run wholly eagerly), ``uncompiled_runs`` (graph calls run op by
-    op: while their compile went on in the background, or because recompiling
-    a cached graph failed), and for ``compile_in_background``,
-    ``background_compiles`` (Inductor compiles started on a thread) and
-    ``eager_while_compiling`` (backwards run on the eager engine meanwhile),
-    and ``eager_by_choice`` (backwards at a cache entry run on the eager
-    engine because its graph was not measurably faster, or to time it; see
-    ``enable(eager_if_faster=...)``), of which ``eager_without_walk`` were
-    recognised without walking the graph.
+    (backwards run wholly eagerly), ``background_compiles`` and
+    ``eager_while_compiling`` (``compile_in_background``), ``uncompiled_runs``
+    (graph calls run op by op), ``eager_by_choice`` and ``eager_without_walk``
+    (``enable(eager_if_faster=True)``). Each counter's meaning is in
+    ``ca_runtime._counters.COUNTERS``, their one table.
     """
-    counters = ca_core.counters()
-    background = background_counts()
-    return {
-        "captures": counters["captures"],
-        "cache_hits": counters["cache_hits"],
-        "graph_breaks": graph_break_count(),
-        "eager_fallbacks": counters["eager_fallbacks"],
-        "background_compiles": background["background_compiles"],
-        "uncompiled_runs": background["uncompiled_runs"] + uncompiled_runs(),
-        "eager_while_compiling": counters["eager_while_compiling"],
-        "eager_by_choice": counters["eager_by_choice"],
-        "eager_without_walk": counters["eager_without_walk"],
-    }
+    return counter_values()
 
 
 @dataclasses.dataclass(frozen=True)

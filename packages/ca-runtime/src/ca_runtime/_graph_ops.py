@@ -134,7 +134,7 @@ def raised_by_user_code(error: BaseException) -> bool:
     return True
 
 
-@torch._dynamo.allow_in_graph
+@torch.compiler.allow_in_graph
 def apply_node(
     node_idx: int,
     inputs: Sequence[torch.Tensor | None],
@@ -151,7 +151,7 @@ def apply_node(
         raise
 
 
-@torch._dynamo.allow_in_graph
+@torch.compiler.allow_in_graph
 def apply_nodes(plan_id: int, tensors: Sequence[torch.Tensor | None], others: list[Any]) -> Grads:
     """Consecutive ``apply_node`` calls in one; see [Note: Runs of nodes in one call] in ca_core."""
     try:
@@ -161,7 +161,7 @@ def apply_nodes(plan_id: int, tensors: Sequence[torch.Tensor | None], others: li
         raise
 
 
-@torch._dynamo.disable
+@torch.compiler.disable
 def apply_with_saved_eager(*args: Any) -> Grads:
     """``apply_with_saved(*args)`` behind a graph break: runs on real tensors every backward."""
     try:
@@ -171,7 +171,7 @@ def apply_with_saved_eager(*args: Any) -> Grads:
         raise
 
 
-@torch._dynamo.allow_in_graph
+@torch.compiler.allow_in_graph
 def validate_outputs(
     node_idx: int,
     outputs: Sequence[torch.Tensor | None],
@@ -348,13 +348,13 @@ def call_function_backward(
     return grads_out
 
 
-@torch._dynamo.disable
+@torch.compiler.disable
 def call_cpp_tensor_pre_hook(node_idx: int, hook_id: int, grad: torch.Tensor | None) -> torch.Tensor | None:
     """A C++ tensor hook or ``retain_grad`` of node ``node_idx``, behind a graph break."""
     return ca_core.call_cpp_tensor_pre_hook(node_idx, hook_id, grad)
 
 
-@torch._dynamo.disable
+@torch.compiler.disable
 def call_opaque_tensor_pre_hook(
     node_idx: int, hook_index: int, grads: Sequence[torch.Tensor | None]
 ) -> Grads:
@@ -445,7 +445,7 @@ def _obeys_layout_contract(grad: torch.Tensor, variable: torch.Tensor) -> bool:
     return grad.is_contiguous()
 
 
-@torch._dynamo.disable
+@torch.compiler.disable
 def accumulate_grad_now(node_idx: int, grad: torch.Tensor | None) -> None:
     """Runs AccumulateGrad node ``node_idx`` (and its post hooks) now, behind a graph break."""
     ca_core.accumulate_grad_now(node_idx, grad)
@@ -456,7 +456,7 @@ def call_unpack_hook(hook: Callable[[Any], torch.Tensor], packed: Any) -> torch.
     return call_user(hook, packed)
 
 
-@torch._dynamo.disable
+@torch.compiler.disable
 def call_unpack_hooks_eager(
     hooks: Sequence[Callable[[Any], torch.Tensor]], packed: Sequence[Any]
 ) -> list[torch.Tensor]:

@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+from ca_runtime._torch_interop import CustomGraphPass, get_hash_for_files
 
 aten = torch.ops.aten
 

@@ -6,8 +6,9 @@ failure, never on a cache hit (typed as ``ca_core.runtime_protocol.EngineRuntime
 which mypy checks ``Runtime`` against):
 
 - ``capture(graph)``: build the FX graph of a walked backward and compile it
-  with ``compiler_fn`` (its runs of nodes fused, see _node_runs.py); return ``(compiled, leaf_outputs, leaf_hooks_only,
-  free_early, may_run_eagerly)`` -- the compiled callable, the walk index of each AccumulateGrad
+  with ``compiler_fn`` (its runs of nodes fused, see _node_runs.py); return a
+  ``ca_core.CapturedGraph`` (``compiled``, ``leaf_outputs``, ``leaf_hooks_only``,
+  ``free_early``, ``may_run_eagerly``) -- the compiled callable, the walk index of each AccumulateGrad
   node whose grad the graph returns, per such node whether the graph
   accumulated it already (only its grad_fn post hooks are left to run),
   the nodes whose saved tensors may be dropped before a cache hit runs (see
@@ -85,28 +86,20 @@ from ca_runtime._torch_interop import (
     compiles_with_dynamo_eager,
     forget_metric_stacks,
     forget_sources_with,
+    inductor_config,
+    maybe_mark_dynamic,
     release_dynamo_state_with,
     set_locals_to_steal,
     sources_made,
     warnings_ignored_while_dynamo_compiles,
 )
 
-__all__ = ["Runtime", "graph_break_count", "last_graph", "reset_graph_breaks"]
+__all__ = ["Runtime", "last_graph"]
 
 
 def last_graph() -> torch.fx.GraphModule | None:
     """The FX graph of the most recent capture (``print(last_graph().code)``), or None."""
     return STATE.last_graph
-
-
-def graph_break_count() -> int:
-    """Graph breaks in the graphs captured since the last reset."""
-    return STATE.graph_breaks
-
-
-def reset_graph_breaks() -> None:
-    """Zeroes the graph-break counter and forgets which breaks were warned about."""
-    STATE.reset()
 
 
 CompilerFn = Callable[[torch.fx.GraphModule], Callable[..., Any]]
@@ -213,9 +206,8 @@ def _collecting_tracing_cycles() -> Iterator[None]:
 # each kernel next to its first consumer; in a backward graph that issues a
 # Linear's weight-grad mm before its input-grad mm (eager and AOTAutograd's
 # graph have the input grad first). With it off, the MLP of bench/run.py ran
-# 3-5 % faster in each of six interleaved runs (1.07 -> 1.02x eager with the
-# rounds' order rotated), and the transformer and the GPT-style decoder
-# within +-1 % (bench/README.md, 2026-12-01). It changes the order Inductor
+# faster in every interleaved run, and the transformer and the GPT-style
+# decoder within noise (figures: bench/LOG.md, 2026-12-01). It changes the order Inductor
 # schedules in, not what is computed (results can differ in rounding where
 # the order changes a fusion, as with any Inductor setting). The options in
 # BACKWARD_INDUCTOR_OPTIONS are set around a captured graph's first run, where
@@ -224,17 +216,17 @@ def _collecting_tracing_cycles() -> Iterator[None]:
 # themselves (in torch._inductor.config or its environment variable; options=
 # of torch.compile are applied inside and win anyway). A recompile Dynamo
 # makes later, on a guard failure during a hit, uses Inductor's defaults.
-# Two more keep a backward's peak memory at eager's (the bench's GPT-style
-# decoder with Inductor: 7.00 MiB above the backward's start against eager's
-# 4.25 before, 4.25 after, in live tensor bytes; bench/README.md, 2026-12-02):
+# Two more keep a backward's peak memory at eager's (without them the bench's
+# GPT-style decoder with Inductor held well above eager's peak; figures:
+# bench/LOG.md, 2026-12-02):
 # post_grad_custom_post_pass is ca_runtime's own pass, see [Note: An
 # accumulated mm computed where its inputs are] (_inductor_passes.py), and
 # allow_buffer_reuse off frees each buffer when it dies, as eager's allocator
 # does: Inductor's reuse keeps a dead buffer until a later kernel writes an
 # output of its size, and in a backward the larger grads allocated in between
-# (a 512x1536 MLP grad between two 512x384 ones) stack on it (0.75 MiB of the
-# decoder's peak). Freeing early never raises the peak; the time of the
-# backwards did not move within the bench's noise (A/B, 2026-12-02).
+# (a 512x1536 MLP grad between two 512x384 ones) stack on it. Freeing early
+# never raises the peak, and the backwards' time did not move beyond the
+# bench's noise (bench/LOG.md, 2026-12-02).
 #: Inductor options for a captured backward graph's compile; see the Note above.
 BACKWARD_INDUCTOR_OPTIONS: dict[str, object] = {
     "reorder_for_locality": False,
@@ -250,7 +242,7 @@ def _backward_inductor_options() -> Iterator[None]:
     Through ``_make_closure_patcher``, whose revert leaves an option unset
     again (``config.patch`` would restore it as if the user had set it).
     """
-    config: Any = torch._inductor.config  # a config module: its methods are added at import
+    config: Any = inductor_config()  # a config module: its methods are added at import
     is_default = getattr(config, "_is_default", None)
     unset = {
         name: value for name, value in BACKWARD_INDUCTOR_OPTIONS.items() if is_default and is_default(name)
@@ -285,21 +277,19 @@ class Runtime:
         #: (``pending``) or failed (``failed_first_run``); see _report/records.py.
         self._records = threading.local()
 
-    def capture(
-        self, graph: ca_core.BackwardGraph
-    ) -> tuple[Callable[..., Any], list[int], list[bool], list[int], bool] | None:
+    def capture(self, graph: ca_core.BackwardGraph) -> ca_core.CapturedGraph | None:
         record = records.begin_capture(graph, self.compiler_key)
         self._records.pending = self._records.failed_first_run = None
         note_first_capture(self.compiler_key)  # see [Note: Compilers made anew]
         with sources_made() as sources:  # see [Note: Sources of our graphs] in _torch_interop.py
             compiled = self._capture_and_compile(graph, record)
         if compiled is not None:
-            forget_sources_with(compiled[0], sources)
+            forget_sources_with(compiled.compiled, sources)
         return compiled
 
     def _capture_and_compile(
         self, graph: ca_core.BackwardGraph, record: records.CaptureRecord
-    ) -> tuple[Callable[..., Any], list[int], list[bool], list[int], bool] | None:
+    ) -> ca_core.CapturedGraph | None:
         start = time.perf_counter()
         try:
             captured = build_graph_module(graph)
@@ -356,12 +346,12 @@ class Runtime:
         # Whether eager_if_faster may apply to this graph; whether it does is
         # the installed enable()'s (read by ca_core at install).
         may_run_eagerly = eager_is_cheap and not _in_multi_process_group()
-        return (
-            compiled,
-            captured.leaf_outputs,
-            captured.leaf_hooks_only,
-            captured.free_early(),
-            may_run_eagerly,
+        return ca_core.CapturedGraph(
+            compiled=compiled,
+            leaf_outputs=captured.leaf_outputs,
+            leaf_hooks_only=captured.leaf_hooks_only,
+            free_early=captured.free_early(),
+            may_run_eagerly=may_run_eagerly,
         )
 
     def run_first(
@@ -375,9 +365,9 @@ class Runtime:
     ) -> Sequence[torch.Tensor | None] | None:
         # See [Note: Dynamic sizes] in ca_core: marks only matter while compiling.
         for size in sizes:
-            torch._dynamo.maybe_mark_dynamic(size, size.dim() - 1)
+            maybe_mark_dynamic(size, size.dim() - 1)
         for tensor_idx, dim in dynamic_dims:
-            torch._dynamo.maybe_mark_dynamic(inputs[tensor_idx], dim)
+            maybe_mark_dynamic(inputs[tensor_idx], dim)
         # The record of the capture just made on this thread (None: another
         # thread's capture, whose first run this backward happens to make).
         record: records.CaptureRecord | None = getattr(self._records, "pending", None)

@@ -2,7 +2,9 @@
 
 Checked against torch 2.13.0 (the version ca-core pins); each has a smoke test
 in tests/test_torch_interop.py, so a torch upgrade that moves one fails there,
-by name. The C++ side's list is ca_core's csrc/torch_private.h.
+by name. An AST scan there fails when another module of ca_runtime names a
+private torch attribute or module (except _aot.py, item 6). The C++ side's
+list is ca_core's csrc/torch_private.h.
 
 Used through this module:
   1. ``torch._dynamo.compiled_autograd._disable``: wrapped once per process;
@@ -88,6 +90,64 @@ Used through this module:
      backward wraps its ctx in ``CtxWithSavedTensors``, which Dynamo refuses
      (it asserts a ``FakeBackwardCFunction``); see _capture.py's
      ``_FUNCTIONS_RUN_EAGERLY``.
+  21. Inductor's compile entry points, for the background compiler
+     (``BackgroundInductor`` in _background.py): ``torch._TorchCompileInductorWrapper``,
+     the backend ``torch.compile`` wraps Inductor in, which ``BackgroundInductor``
+     subclasses (its ``config`` and ``name``, and its ``__call__`` for options);
+     ``torch._inductor.compile_fx.compile_fx``, called with an
+     ``inner_compile`` of ours, and ``compile_fx_inner``, looked up at each
+     call; and what sends a graph's compile to the calling thread:
+     ``torch._inductor.config.distributed_max_autotune_gemm`` and AOTAutograd's
+     ``should_bundle_autograd_cache()``. See [Note: Compiling in the background].
+  22. The compile state the background compile thread takes over
+     (_background.py): Dynamo's ``GlobalStateGuard`` of torch's process-global
+     flags, taken at capture and checked on the thread (see [Note: State at
+     capture time]); ``torch._guards``' ``TracingContext`` and
+     ``CompileContext`` of the capture, re-entered there with
+     ``compile_context``/``tracing`` as AOTAutograd's lazy backward compile
+     does; Dynamo's ``convert_frame.compile_lock``, held for the whole compile
+     (see [Note: One Inductor compile at a time]); and
+     ``torch._C._DisableAutocast``, autocast off as in Dynamo's own compiles.
+  23. Dynamo's cache entries of a code (``_debug_get_cache_entry_list``, an
+     entry's ``backend``, ``guard_manager.check``, ``code`` and
+     ``compile_id``) and the backend they are stored with
+     (``innermost_backend`` of an ``OptimizedModule``'s context callback):
+     ``DirectDynamoCall`` looks a graph up as Dynamo's lookup does; see
+     [Note: Calling Dynamo's cached code directly] in _dynamo_direct.py.
+  24. What Dynamo's wrappers around an ``OptimizedModule`` call do, which a
+     direct call may skip only when they would do nothing else (same Note):
+     the compile stance (``eval_frame._stance``), the thread's eval-frame
+     callback, global ``nn.Module`` hooks (``_has_any_global_hook``) and a
+     module's own hook dicts, ``torch._C._is_tracing``,
+     ``torch.fx._symbolic_trace.is_fx_symbolic_tracing``,
+     ``TracingContext.try_get``, the types ``OptimizedModule`` and
+     ``OptimizeContext`` (``_orig_mod``, ``enter_exit_hooks``, among them
+     ``eval_frame.call_on_enter``), ``GenerationTracker.generation``, which
+     that hook bumps, and ``torch.autograd.profiler._is_profiler_enabled``.
+  25. The dispatch-key TLS (``torch._C._dispatch_tls_local_exclude_set``,
+     ``_dispatch_tls_local_include_set`` and ``_ForceDispatchKeyGuard``): the
+     checkpoint recompute puts eager's excluded keys back inside an
+     AOTAutograd backward; see [Note: Recomputing with autograd on] in
+     _checkpoint.py.
+  26. ``torch._C._get_privateuse1_backend_name``: the device type of the
+     PrivateUse1 backend, one of the device types a checkpoint region's
+     recorded tensors may be on (_checkpoint.py's ``_DEVICE_TYPES``).
+  27. C++ reference counts, of a tensor (``Tensor._use_count``) and of a
+     storage (``torch._C._storage_Use_Count`` of ``UntypedStorage._cdata``):
+     which recomputed tensors nothing else holds; see [Note: Checkpoint
+     regions in the graph] (outputs are fresh) in _checkpoint.py.
+  28. Inductor's configuration module ``torch._inductor.config`` (its
+     ``_is_default`` and ``_make_closure_patcher``), which torch's docs
+     name as the place of Inductor's options: the options set around a
+     captured backward's compile (``inductor_config``); see [Note: Inductor
+     options for backward graphs] in _runtime.py. And
+     ``torch._inductor.custom_graph_pass`` (``CustomGraphPass``,
+     ``get_hash_for_files``), the documented base of a post-grad pass that
+     Inductor's cache can key (_inductor_passes.py).
+  29. ``torch._dynamo.maybe_mark_dynamic`` (documented with torch.compile's
+     dynamic shapes): a first run marks the sizes and tensor dims that
+     changed dynamic (``maybe_mark_dynamic``); see [Note: Dynamic sizes] in
+     ca_core.
 Used in place, because they are what the module is about:
   6. AOTAutograd's ``CompiledFunction`` internals in _aot.py (``_aot_id``,
      ``_bw_prologue_fn``, ``metadata``, ``maybe_subclass_metadata``,
@@ -119,16 +179,31 @@ import threading
 import types
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import ca_core
 import torch
 import torch.utils.checkpoint
+from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list, get_eval_frame_callback
+from torch._dynamo import eval_frame as _eval_frame
+from torch._dynamo import maybe_mark_dynamic
 from torch._dynamo.external_utils import FakeBackwardCFunction
+from torch._dynamo.mutation_guard import GenerationTracker
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+from torch.fx._symbolic_trace import is_fx_symbolic_tracing
+from torch.nn.modules.module import _has_any_global_hook
 
 __all__ = [
+    "CustomGraphPass",
+    "DynamoCacheEntry",
+    "DynamoCompileContexts",
     "FakeBackwardCFunction",
+    "TorchCompileInductorWrapper",
+    "TorchGlobalState",
+    "aot_autograd_bundles_its_cache",
+    "autocast_disabled",
+    "bump_dynamo_generation",
     "call_backward",
     "checkpoint_frame",
     "checkpoint_inputs_have_hooks",
@@ -137,15 +212,30 @@ __all__ = [
     "clear_finished_tracked_fakes",
     "compiled_frame_id",
     "compiles_with_dynamo_eager",
+    "dispatch_keys_excluded_as",
+    "dynamo_cache_entries",
+    "dynamo_compile_lock",
     "dynamo_context_backend",
     "dynamo_skips",
+    "dynamo_wrappers_inert",
+    "excluded_dispatch_keys",
     "failed_compile_frame_id",
     "forget_metric_stacks",
     "forget_sources_with",
+    "get_hash_for_files",
+    "inductor_autotunes_across_ranks",
+    "inductor_compile_fx",
+    "inductor_compile_fx_inner",
+    "inductor_config",
     "is_generated_vmap_rule",
+    "is_plain_torch_compile_of",
     "keep_hook_across_torch_disable",
     "later_frames_run_uncompiled_on_failure",
+    "maybe_mark_dynamic",
     "on_fake_tensors",
+    "optimized_module_backend",
+    "privateuse1_device_type",
+    "profiler_enabled",
     "rearm_torch_compiled_autograd",
     "register_ca_logs",
     "release_dynamo_state",
@@ -153,6 +243,9 @@ __all__ = [
     "routed_torch_compiled_autograd",
     "set_locals_to_steal",
     "sources_made",
+    "storage_key",
+    "storage_use_count",
+    "tensor_use_count",
     "torch_compiled_autograd_enabled",
     "warnings_ignored_while_dynamo_compiles",
 ]
@@ -574,7 +667,7 @@ def forget_sources_with(owner: object, keys: list[str]) -> None:
 # pruned. Two more are released elsewhere: ShapeEnv.tracked_fakes (see [Note:
 # Fakes a finished compile still tracks]) and the stacks of Dynamo's metrics
 # (see [Note: Stacks Dynamo's metrics keep]). With all of them, RSS stays flat
-# over capture/reset() cycles with backend "eager" (bench/README.md).
+# over capture/reset() cycles with backend "eager" (bench/LOG.md).
 
 
 def _guard_finalizers(managers: list[Any]) -> list[weakref.finalize]:
@@ -612,8 +705,6 @@ def release_dynamo_state(code: types.CodeType, wrapper: object | None = None) ->
 
 
 def _release_dynamo_state(code: types.CodeType) -> None:
-    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
-
     managers = [entry.guard_manager for entry in _debug_get_cache_entry_list(code)]
     if managers:
         for finalizer in _guard_finalizers(managers):
@@ -686,8 +777,6 @@ def forget_metric_stacks() -> None:
 
 def compiled_frame_id(code: types.CodeType) -> int | None:
     """17. Dynamo's frame id of ``code`` (from its newest cache entry), or None if it has none."""
-    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
-
     entries = _debug_get_cache_entry_list(code)
     compile_id = entries[0].compile_id if entries else None
     return getattr(compile_id, "frame_id", None)
@@ -781,3 +870,253 @@ def register_ca_logs() -> tuple[bool, bool]:
     return state.is_artifact_enabled("compiled_autograd"), state.is_artifact_enabled(
         "compiled_autograd_verbose"
     )
+
+
+#: 21. The backend ``torch.compile(backend="inductor")`` wraps Inductor in
+#: (its ``config``: the options given; its ``name``: the compiled region's);
+#: see [Note: Compiling in the background] in _background.py.
+TorchCompileInductorWrapper = torch._TorchCompileInductorWrapper
+
+
+def inductor_compile_fx(
+    model: torch.fx.GraphModule,
+    example_inputs: Sequence[Any],
+    inner_compile: Callable[..., Any],
+    compile_region_name: str | None,
+) -> Any:
+    """21. Inductor's ``compile_fx`` of a Dynamo graph, ``inner_compile`` turning each ATen graph into kernels."""
+    from torch._inductor.compile_fx import compile_fx
+
+    return compile_fx(
+        model, example_inputs, inner_compile=inner_compile, compile_region_name=compile_region_name
+    )
+
+
+def inductor_compile_fx_inner(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
+    """21. Inductor's ``compile_fx_inner``: one ATen graph to kernels, the function looked up at each call."""
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    return compile_fx_inner(gm, example_inputs, **kwargs)
+
+
+def inductor_autotunes_across_ranks() -> bool:
+    """21. Whether Inductor's distributed GEMM autotuning is on: it talks to the other ranks while compiling."""
+    return bool(getattr(torch._inductor.config, "distributed_max_autotune_gemm", False))
+
+
+def aot_autograd_bundles_its_cache() -> bool:
+    """21. Whether AOTAutograd's cache bundles Inductor's output, which it then needs as soon as compile_fx returns."""
+    from torch._functorch._aot_autograd.autograd_cache import should_bundle_autograd_cache
+
+    return bool(should_bundle_autograd_cache())
+
+
+class TorchGlobalState:
+    """22. torch's process-global flags (grad mode, deterministic algorithms, TF32, ...) as they are at construction.
+
+    Dynamo's ``GlobalStateGuard``, the check its compiled graphs make of the
+    same flags; see [Note: State at capture time] in _background.py.
+    """
+
+    __slots__ = ("_guard",)
+
+    def __init__(self) -> None:
+        self._guard = torch._C._dynamo.guards.GlobalStateGuard()
+
+    def unchanged(self) -> bool:
+        """Whether every flag still has its value of the construction."""
+        return bool(self._guard.check())
+
+    def changes(self) -> str:
+        """Which flags differ now, in Dynamo's words."""
+        return str(self._guard.reason())
+
+
+class DynamoCompileContexts:
+    """22. Dynamo's tracing and compile contexts (``torch._guards``) of the compile under way at construction.
+
+    Re-entered on the background compile thread, as AOTAutograd's lazy
+    backward compile re-enters them after ``compile_fx`` returned; see [Note:
+    Compiling in the background] in _background.py.
+    """
+
+    __slots__ = ("compiling", "tracing")
+
+    def __init__(self) -> None:
+        #: The ``TracingContext``, or None outside a trace.
+        self.tracing: Any = torch._guards.TracingContext.try_get()
+        #: The ``CompileContext``, or None outside a compile.
+        self.compiling: Any = torch._guards.CompileContext.try_get()
+
+    @contextlib.contextmanager
+    def reentered(self) -> Iterator[None]:
+        """Inside: these contexts are this thread's current ones (the compile context first, as Dynamo enters them)."""
+        with torch._guards.compile_context(self.compiling), torch._guards.tracing(self.tracing):
+            yield
+
+
+def dynamo_compile_lock() -> contextlib.AbstractContextManager[Any]:
+    """22. Dynamo's ``compile_lock``, held by every Dynamo frame compile; see [Note: One Inductor compile at a time]."""
+    from torch._dynamo.convert_frame import compile_lock
+
+    return compile_lock
+
+
+def autocast_disabled() -> torch._C._DisableAutocast:
+    """22. A context in which autocast is off (its dispatch keys excluded), as in Dynamo's own compiles."""
+    return torch._C._DisableAutocast()
+
+
+class DynamoCacheEntry:
+    """23. One of Dynamo's cache entries of a code, read at once (a reset on another thread could free the C++ entry).
+
+    See [Note: Calling Dynamo's cached code directly] in _dynamo_direct.py.
+    """
+
+    __slots__ = ("_guard_manager", "backend", "code", "compile_id")
+
+    def __init__(self, entry: Any) -> None:
+        #: The backend that compiled it, as Dynamo's lookup matches it (see ``optimized_module_backend``).
+        self.backend: object = entry.backend
+        self._guard_manager: Any = entry.guard_manager
+        #: Dynamo's transformed code of the frame.
+        self.code: types.CodeType = entry.code
+        #: Dynamo's ``CompileId`` of the compile that made it.
+        self.compile_id: object = entry.compile_id
+
+    def guards_pass(self, frame_locals: dict[str, Any]) -> bool:
+        """Whether the entry's full guard set passes on ``frame_locals``, as Dynamo's lookup checks it.
+
+        Raises what a guard raises.
+        """
+        return bool(self._guard_manager.check(frame_locals))
+
+
+def dynamo_cache_entries(code: types.CodeType) -> list[DynamoCacheEntry]:
+    """23. Dynamo's cache entries of ``code``, most recently compiled first, in the order Dynamo's lookup tries them."""
+    return [DynamoCacheEntry(entry) for entry in _debug_get_cache_entry_list(code)]
+
+
+def optimized_module_backend(compiled: Any) -> object:
+    """23. The backend Dynamo stores on the cache entries an ``OptimizedModule`` makes.
+
+    ``innermost_backend`` of its context's callback, as Dynamo's lookup derives it.
+    """
+    return _eval_frame.innermost_backend(compiled.dynamo_ctx.callback)
+
+
+def dynamo_wrappers_inert() -> bool:
+    """24. Whether Dynamo's wrappers around an ``OptimizedModule`` call would do nothing but look its frame up.
+
+    The compile stance is ``"default"`` with no forced backend, no eval-frame
+    callback is active on this thread, no global ``nn.Module`` hook is
+    registered, and nothing traces (``torch.jit.trace``, FX symbolic
+    tracing, a Dynamo/export tracing context). See [Note: Calling Dynamo's
+    cached code directly] in _dynamo_direct.py.
+    """
+    stance = _eval_frame._stance
+    return (
+        stance.stance == "default"
+        and stance.backend is None
+        and get_eval_frame_callback() is None
+        and not _has_any_global_hook()
+        and not torch._C._is_tracing()
+        and not is_fx_symbolic_tracing()
+        and torch._guards.TracingContext.try_get() is None
+    )
+
+
+#: 24. Dynamo's per-call enter hooks that matter only to a compile:
+#: ``torch.compile``'s ``call_on_enter`` (a one-time patch of
+#: ``nn.Module.__init__``, made by the first, normal call, and a bump of
+#: ``GenerationTracker.generation``, which the direct call makes too:
+#: ``bump_dynamo_generation``) and the config patch of
+#: ``dynamic=``/``shapes_spec`` (``change``), by module and name.
+_COMPILE_ONLY_HOOKS = {
+    ("torch._dynamo.eval_frame", "call_on_enter"),
+    ("torch.utils._config_module", "change"),
+}
+
+
+def _only_while_compiling(hook: Any) -> bool:
+    return (getattr(hook, "__module__", None), getattr(hook, "__name__", None)) in _COMPILE_ONLY_HOOKS
+
+
+def _has_hooks(module: torch.nn.Module) -> bool:
+    return bool(
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or module._backward_hooks
+        or module._backward_pre_hooks
+        or getattr(module, "_forward_hooks_with_kwargs", None)
+        or hasattr(module, "_initialize_hook")
+    )
+
+
+def is_plain_torch_compile_of(compiled: Any, gm: torch.nn.Module) -> bool:
+    """24. Whether ``compiled`` is ``torch.compile(gm)``, an ``OptimizedModule`` whose calls add nothing to a compile.
+
+    Its context is a plain ``OptimizeContext`` whose per-call enter hooks
+    matter only to a compile (``_COMPILE_ONLY_HOOKS``), and neither module
+    has hooks of its own. See [Note: Calling Dynamo's cached code directly]
+    in _dynamo_direct.py.
+    """
+    return (
+        type(compiled) is _eval_frame.OptimizedModule
+        and compiled._orig_mod is gm
+        and type(compiled.dynamo_ctx) is _eval_frame.OptimizeContext
+        and all(_only_while_compiling(hook) for hook in compiled.dynamo_ctx.enter_exit_hooks)
+        and not _has_hooks(compiled)
+        and not _has_hooks(gm)
+    )
+
+
+def bump_dynamo_generation() -> None:
+    """24. What ``call_on_enter`` does at each call besides its one-time patch; CUDA graph trees read it to tell a new invocation."""
+    GenerationTracker.generation += 1
+
+
+def profiler_enabled() -> bool:
+    """24. Whether the autograd profiler records, as Dynamo checks it before its "Torch-Compiled Region" range."""
+    return bool(torch.autograd.profiler._is_profiler_enabled)
+
+
+def excluded_dispatch_keys() -> torch._C.DispatchKeySet:
+    """25. The dispatch keys this thread excludes now (its TLS local exclude set)."""
+    return torch._C._dispatch_tls_local_exclude_set()
+
+
+def dispatch_keys_excluded_as(excluded: torch._C.DispatchKeySet) -> torch._C._ForceDispatchKeyGuard:
+    """25. A guard inside which this thread excludes exactly ``excluded``, its included keys as they are.
+
+    See [Note: Recomputing with autograd on] in _checkpoint.py.
+    """
+    return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), excluded)
+
+
+def privateuse1_device_type() -> str:
+    """26. The device type name of the PrivateUse1 backend (``"privateuseone"`` unless a backend renamed it)."""
+    return torch._C._get_privateuse1_backend_name()
+
+
+def tensor_use_count(t: torch.Tensor) -> int:
+    """27. References to ``t``'s C++ tensor (its TensorImpl): 1 when its Python object is the only holder."""
+    count: int = t._use_count()  # type: ignore[attr-defined]
+    return count
+
+
+def storage_key(storage: torch.UntypedStorage) -> int:
+    """27. The address of ``storage``'s C++ StorageImpl: one key for every Python object of the same storage."""
+    return storage._cdata
+
+
+def storage_use_count(key: int) -> int:
+    """27. References to the StorageImpl at ``key`` (a ``storage_key``): one from each tensor on it and each Python storage object."""
+    return torch._C._storage_Use_Count(key)
+
+
+def inductor_config() -> Any:
+    """28. ``torch._inductor.config``, Inductor's options module (with the methods its config module adds at import)."""
+    import torch._inductor.config
+
+    return torch._inductor.config

@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 import ca_core
 import torch
 
+from ca_runtime._counters import stats
 from ca_runtime._report.records import CaptureRecord, FallbackRecord
 from ca_runtime._state import REPORT_LIMIT, STATE
 
@@ -174,20 +175,13 @@ def _versions() -> dict[str, str]:
 def build_report_data() -> ReportData:
     """The report of this process: counters, timings, cache tree and the recorded captures."""
     log = STATE.report_snapshot()
-    counters = ca_core.counters()
     timings = ca_core.timings()
     return ReportData(
         created=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         command=" ".join(sys.argv) or sys.executable,
         pid=os.getpid(),
         versions=_versions(),
-        counters={
-            "captures": counters["captures"],
-            "cache_hits": counters["cache_hits"],
-            "graph_breaks": STATE.graph_breaks,
-            "eager_fallbacks": counters["eager_fallbacks"],
-            "eager_by_choice": counters["eager_by_choice"],
-        },
+        counters=stats(),
         timings=dict(timings) if _TimingSwitch.enabled or timings["timed_backwards"] else None,
         seconds=dict(log.seconds),
         top_reasons={kind: _top(log.reasons.get(kind)) for kind in ("break", "fallback", "miss")},
