@@ -497,7 +497,7 @@ uint64_t next_shadow_node_id() {
 
 namespace {
 
-/// What an entry's timing chose, as cache_tree() and cache_entries() show
+/// What an entry's timing chose, as cache_tree() shows
 /// it: "compiled", "eager", or "" without a graph; see [Note: Eager when it
 /// is faster].
 const char* served_by(const ShadowNode& node) {
@@ -542,6 +542,9 @@ struct CacheTreeNode {
   uint64_t id = 0;
   /// The parent's id, or -1 for a compiler's root.
   int64_t parent = -1;
+  /// Nodes on the key path that leads here (0 for a root): the node count of
+  /// the backward whose walk ends here.
+  uint32_t depth = 0;
   /// The compiler key of the tree ("backend:aot_eager", "callable:ID").
   std::string compiler;
   /// Name of the autograd node whose key leads here ("" for a root).
@@ -597,6 +600,7 @@ void register_shadow_cache(nb::module_& m) {
   nb::class_<CacheTreeNode>(m, "CacheTreeNode", "One node of the shadow-graph cache (cache_tree()).")
       .def_ro("id", &CacheTreeNode::id)
       .def_ro("parent", &CacheTreeNode::parent)
+      .def_ro("depth", &CacheTreeNode::depth)
       .def_ro("compiler", &CacheTreeNode::compiler)
       .def_ro("node_name", &CacheTreeNode::node_name)
       .def_ro("node_detail", &CacheTreeNode::node_detail)
@@ -618,13 +622,19 @@ void register_shadow_cache(nb::module_& m) {
         CacheUse use;  // see [Note: What the cache lets go of]
         std::vector<CacheTreeNode> out;
         for (const auto& [compiler, root] : cache_roots()) {
-          std::vector<std::pair<const ShadowNode*, int64_t>> stack{{root.get(), -1}};
+          struct Visit {
+            const ShadowNode* node;
+            int64_t parent;
+            uint32_t depth;
+          };
+          std::vector<Visit> stack{{root.get(), -1, 0}};
           while (!stack.empty()) {
-            auto [node, parent] = stack.back();
+            auto [node, parent, depth] = stack.back();
             stack.pop_back();
             CacheTreeNode& row = out.emplace_back();
             row.id = node->id;
             row.parent = parent;
+            row.depth = depth;
             row.compiler = compiler;
             row.node_name = node->summary ? node->summary->name : std::string();
             row.node_detail = node->summary ? describe_summary(*node->summary) : std::string();
@@ -643,7 +653,7 @@ void register_shadow_cache(nb::module_& m) {
             row.eager_median_s = seconds(node->choice.eager_median_ns);
             row.compiled_over_eager = node->choice.compiled_over_eager;
             for (const auto& [_, child] : node->next) {
-              stack.emplace_back(child.get(), static_cast<int64_t>(node->id));
+              stack.push_back({child.get(), static_cast<int64_t>(node->id), depth + 1});
             }
           }
         }
@@ -685,44 +695,6 @@ void register_shadow_cache(nb::module_& m) {
         }
       },
       "Forgets every failure in the cache: those key paths are captured again.");
-  m.def(
-      "cache_entries",
-      []() {
-        CacheUse use;  // see [Note: What the cache lets go of]
-        // Per compiler root, depth-first over the tree, one tuple per
-        // compiled or failed entry (see the docstring).
-        nb::list out;
-        for (const auto& [compiler, root] : cache_roots()) {
-          std::vector<std::pair<const ShadowNode*, size_t>> stack{{root.get(), 0}};
-          while (!stack.empty()) {
-            auto [node, depth] = stack.back();
-            stack.pop_back();
-            if (node->compiled_fn.is_valid() || node->failed) {
-              size_t dynamic = 0;
-              for (bool d : node->dynamic_sizes) {
-                dynamic += d ? 1 : 0;
-              }
-              const HitChoice& choice = node->choice;
-              out.append(nb::make_tuple(
-                  depth, node->hits, node->failed, dynamic,
-                  node->expected_sizes.size(), compiler, node->failure,
-                  served_by(*node),
-                  choice.eager_runs,
-                  seconds(choice.compiled_median_ns),
-                  seconds(choice.eager_median_ns),
-                  choice.compiled_over_eager));
-            }
-            for (const auto& [_, child] : node->next) {
-              stack.emplace_back(child.get(), depth + 1);
-            }
-          }
-        }
-        return out;
-      },
-      "(key_path_length, hits, failed, num_dynamic_sizes, num_sizes, compiler, "
-      "failure, served_by, eager_runs, compiled_median_s, eager_median_s, "
-      "compiled_over_eager) of every cache entry; see [Note: Eager when it is "
-      "faster] for the last five.");
 }
 
 } // namespace ca

@@ -71,9 +71,16 @@ def test_walk_describes_nodes_in_eager_order_and_remembers_failure() -> None:
     assert acc.is_accumulate_grad and acc.type_name == "torch::autograd::AccumulateGrad"
     assert ca_core.counters()["eager_fallbacks"] == 2
     # A failed entry: no graph, so served by nothing, never timed.
-    assert ca_core.cache_entries() == [(5, 0, True, 0, 0, "default", "", "", 0, 0.0, 0.0, 0.0)]
+    (failed,) = [node for node in ca_core.cache_tree() if node.failed]
+    assert (failed.depth, failed.hits, failed.has_graph, failed.compiler, failed.served_by) == (
+        5,
+        0,
+        False,
+        "default",
+        "",
+    )
     ca_core.clear_cache()
-    assert ca_core.cache_entries() == []
+    assert [node for node in ca_core.cache_tree() if node.failed or node.has_graph] == []
 
 
 #: (compiled_ns, eager_ns, expected eager, compiled_over_eager, undecided): a

@@ -190,12 +190,12 @@ def test_leaving_enable_restores_eager_and_reset_empties_cache(backend: str) -> 
     step = mlp_step(model)
     with ca_runtime.enable(backend):
         step(0)
-    assert ca_core.cache_entries()
+    assert ca_runtime.cache_info()
     before = ca_runtime.stats()
     step(1)  # eager now: no counter moves
     assert ca_runtime.stats() == before
     ca_runtime.reset()
-    assert ca_core.cache_entries() == []
+    assert ca_runtime.cache_info() == []
     assert ca_runtime.stats()["captures"] == 0
 
 
@@ -457,13 +457,13 @@ def test_hook_and_cache_are_released_at_exit() -> None:
         """
         import atexit, ca_core
         # Registered before ca_runtime's handler, so it runs after it.
-        atexit.register(lambda: print("at exit:", ca_core.installed_runtime() is None, len(ca_core.cache_entries())))
+        atexit.register(lambda: print("at exit:", ca_core.installed_runtime() is None, sum(n.has_graph for n in ca_core.cache_tree())))
         import ca_runtime, torch
         x = torch.randn(3, requires_grad=True)
         context = ca_runtime.enable("eager")
         context.__enter__()  # left installed on purpose
         (x * x).sum().backward()
-        print("before exit:", ca_core.installed_runtime() is None, len(ca_core.cache_entries()))
+        print("before exit:", ca_core.installed_runtime() is None, sum(n.has_graph for n in ca_core.cache_tree()))
         """
     )
     proc = subprocess.run(

@@ -388,4 +388,21 @@ class CacheEntry:
 
 def cache_info() -> list[CacheEntry]:
     """Every entry of the shadow-graph cache; see also ``last_graph()``."""
-    return [CacheEntry(*entry) for entry in ca_core.cache_entries()]
+    return [
+        CacheEntry(
+            key_path_length=node.depth,
+            hits=node.hits,
+            failed=node.failed,
+            dynamic_sizes=node.num_dynamic_sizes,
+            sizes=node.num_sizes,
+            compiler=node.compiler,
+            failure=node.failure,
+            served_by=node.served_by,
+            eager_runs=node.eager_runs,
+            compiled_median_s=node.compiled_median_s,
+            eager_median_s=node.eager_median_s,
+            compiled_over_eager=node.compiled_over_eager,
+        )
+        for node in ca_core.cache_tree()
+        if node.has_graph or node.failed
+    ]
