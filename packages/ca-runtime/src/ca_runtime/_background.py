@@ -104,6 +104,7 @@ from typing import Any
 import torch
 import torch.fx
 
+from ca_runtime._counters import PYTHON_COUNTS
 from ca_runtime._log import EagerFallbackWarning, log, warn_at_user_line
 from ca_runtime._torch_interop import (
     DynamoCompileContexts,
@@ -119,22 +120,12 @@ from ca_runtime._torch_interop import (
 
 __all__ = [
     "BackgroundInductor",
-    "background_counts",
     "compiles_done",
-    "reset_background_counts",
     "take_started",
     "wait_for_background_compiles",
 ]
 
 
-class _Counts:
-    """``stats()``'s background counters, bumped under the GIL."""
-
-    background_compiles = 0
-    uncompiled_runs = 0
-
-
-_COUNTS = _Counts()
 #: Compile threads started and not yet finished.
 _live: set[threading.Thread] = set()
 _live_lock = threading.Lock()
@@ -142,19 +133,6 @@ _live_lock = threading.Lock()
 #: ATen ops that communicate with other processes: a graph with any compiles
 #: on the calling thread (see [Note: Compiling in the background]).
 _COLLECTIVE_NAMESPACES = frozenset({"_c10d_functional", "c10d_functional", "_dtensor", "c10d"})
-
-
-def background_counts() -> dict[str, int]:
-    """Compiles started in the background and graph calls run uncompiled meanwhile."""
-    return {
-        "background_compiles": _COUNTS.background_compiles,
-        "uncompiled_runs": _COUNTS.uncompiled_runs,
-    }
-
-
-def reset_background_counts() -> None:
-    _COUNTS.background_compiles = 0
-    _COUNTS.uncompiled_runs = 0
 
 
 def wait_for_background_compiles(timeout: float | None = None) -> bool:
@@ -216,7 +194,7 @@ def _begin(thread: threading.Thread) -> bool:
         log.info("ca_runtime: could not start a background compile (%s); the graph stays uncompiled", e)
         _finished(thread)
         return False
-    _COUNTS.background_compiles += 1
+    PYTHON_COUNTS.background_compiles += 1
     if not hasattr(_started_here, "threads"):
         _started_here.threads = []
     _started_here.threads.append(thread)
@@ -410,7 +388,7 @@ class _DeferredCompile:
         with self._first_run_lock:
             start, self.started = not self.started, True
         try:
-            _COUNTS.uncompiled_runs += 1
+            PYTHON_COUNTS.uncompiled_runs += 1
             return self.uncompiled(*args)
         finally:
             if start:

@@ -3,8 +3,9 @@
 ca_core keeps the counters its engine hook bumps as C++ atomics (one table,
 ``kCounterFields`` in engine_hook.cpp, behind ``ca_core.counters()``); the
 rest are Python's: graph breaks counted over the captured graphs
-(``_state.py``), background compiles and the graph calls run uncompiled
-(``_background.py``, ``_dynamo_direct.py``). ``COUNTERS`` names each once;
+(``_state.py``, with the captures they are counted at), and the background
+compiles and graph calls run uncompiled, which ``_background.py`` and
+``_dynamo_direct.py`` bump here (``PYTHON_COUNTS``). ``COUNTERS`` names each once;
 ``stats()``, ``reset_counters()`` (through ``reset()``), the report's
 overview and the README's table of ``stats()`` are read from or checked
 against it.
@@ -17,11 +18,30 @@ from collections.abc import Callable, Mapping
 
 import ca_core
 
-from ca_runtime._background import background_counts, reset_background_counts
-from ca_runtime._dynamo_direct import reset_uncompiled_runs, uncompiled_runs
 from ca_runtime._state import STATE
 
-__all__ = ["COUNTERS", "Counter", "reset_counters", "stats"]
+__all__ = ["COUNTERS", "PYTHON_COUNTS", "Counter", "PythonCounts", "reset_counters", "stats"]
+
+
+class PythonCounts:
+    """The counters only Python bumps (under the GIL, off the hit path but for ``uncompiled_runs``)."""
+
+    def __init__(self) -> None:
+        #: Inductor compiles started on a thread (``_background.py``).
+        self.background_compiles = 0
+        #: Graph calls run op by op: while their compile ran in the background
+        #: (``_background.py``), or after a recompile failed on a hit
+        #: (``_dynamo_direct.py``).
+        self.uncompiled_runs = 0
+
+    def reset(self) -> None:
+        """Zeroes both."""
+        self.background_compiles = 0
+        self.uncompiled_runs = 0
+
+
+#: The process's Python counters; see ``PythonCounts``.
+PYTHON_COUNTS = PythonCounts()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,13 +73,13 @@ COUNTERS: tuple[Counter, ...] = (
     Counter(
         "background_compiles",
         "Inductor compiles started on a thread (compile_in_background)",
-        lambda core: background_counts()["background_compiles"],
+        lambda core: PYTHON_COUNTS.background_compiles,
     ),
     Counter(
         "uncompiled_runs",
         "graph calls run op by op: while their compile went on in the background, "
         "or because recompiling a cached graph failed",
-        lambda core: background_counts()["uncompiled_runs"] + uncompiled_runs(),
+        lambda core: PYTHON_COUNTS.uncompiled_runs,
     ),
     Counter(
         "eager_while_compiling",
@@ -90,5 +110,4 @@ def reset_counters() -> None:
     """Zeroes every counter (and ca_core's timings); forgets which graph breaks were warned about."""
     ca_core.reset_counters()
     STATE.reset()
-    reset_background_counts()
-    reset_uncompiled_runs()
+    PYTHON_COUNTS.reset()

@@ -105,6 +105,7 @@ from typing import Any
 
 import torch
 
+from ca_runtime._counters import PYTHON_COUNTS
 from ca_runtime._graph_ops import USER_ERROR_TAG
 from ca_runtime._log import EagerFallbackWarning, describe_error, log, warn_at_user_line
 from ca_runtime._torch_interop import (
@@ -122,8 +123,6 @@ from ca_runtime._torch_interop import (
 __all__ = [
     "DirectDynamoCall",
     "direct_calls",
-    "reset_uncompiled_runs",
-    "uncompiled_runs",
     "wrap_if_dynamo_module",
 ]
 
@@ -152,11 +151,9 @@ _MAX_CODES = 16
 
 
 class _Counts:
-    """Graph calls served directly or run uncompiled, bumped under the GIL."""
+    """Graph calls served directly, bumped under the GIL (not a ``stats()`` counter)."""
 
     direct_calls = 0
-    #: Calls run uncompiled after a recompile failed; see [Note: A recompile that fails on a hit].
-    uncompiled_runs = 0
 
 
 _COUNTS = _Counts()
@@ -165,15 +162,6 @@ _COUNTS = _Counts()
 def direct_calls() -> int:
     """Graph calls served by ``DirectDynamoCall`` since the process started (for tests and the bench)."""
     return _COUNTS.direct_calls
-
-
-def uncompiled_runs() -> int:
-    """Graph calls run uncompiled since the last reset; see [Note: A recompile that fails on a hit]."""
-    return _COUNTS.uncompiled_runs
-
-
-def reset_uncompiled_runs() -> None:
-    _COUNTS.uncompiled_runs = 0
 
 
 def _runs_one_graph(code: types.CodeType) -> bool:
@@ -335,7 +323,7 @@ class DirectDynamoCall:
     def _run_uncompiled(
         self, inputs: list[Any], sizes: list[Any], scalars: list[Any], hooks: list[Any]
     ) -> Any:
-        _COUNTS.uncompiled_runs += 1
+        PYTHON_COUNTS.uncompiled_runs += 1  # see [Note: A recompile that fails on a hit]
         return self.gm(inputs, sizes, scalars, hooks)
 
 

@@ -7,6 +7,19 @@ already warned about, and what ``report()`` shows (``ReportLog``: the latest
 captures and fallbacks, running totals). Captures can happen on several
 threads at once (two threads' backwards missing together), so every change
 takes the lock. None of it is touched on the cache-hit path.
+
+The rest of the Python side's process-wide state lives beside the code that
+needs its own lock or lifetime, each listed here so that this is where to
+look: the counters ``stats()`` reports (``_counters.py``, the one table of
+them); the compiler keys and the captures per compiler (``_compiler_key.py``,
+under an RLock because a compiler's weakref callback may fire while it is
+held); the background compile threads, their thread-local start marks and
+the interpreter's switch interval while they run (``_background.py``); the
+engine-hook state ``enable()`` saves and restores (``_enable.py``); the
+prologues of copied AOT backwards (``_aot.py``, a WeakKeyDictionary that dies
+with each Function class); direct-call counts for the bench
+(``_dynamo_direct.py``); whether ``report()`` collects timings and the report
+written at exit (``_report/``).
 """
 
 from __future__ import annotations
