@@ -411,11 +411,24 @@ def test_coexists_with_torch_builtin_compiled_autograd(order: str) -> None:
 def test_ca_logs_env_enables_miss_lines(monkeypatch: pytest.MonkeyPatch) -> None:
     from ca_runtime import _log
 
-    monkeypatch.setenv("CA_LOGS", "graph,misses")
+    monkeypatch.setenv("CA_LOGS", " misses,")
     monkeypatch.setattr(_log.miss_log, "handlers", [])
     monkeypatch.setattr(_log.miss_log, "level", logging.NOTSET)
-    _log._configure_from_env()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing unknown: no warning
+        _log._configure_from_env()
     assert _log.miss_log.handlers and _log.miss_log.isEnabledFor(logging.INFO)
+
+
+def test_an_unknown_ca_logs_value_is_named_with_the_accepted_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ca_runtime import _log
+
+    monkeypatch.setenv("CA_LOGS", "all,misses")
+    monkeypatch.setattr(_log.miss_log, "handlers", [])
+    monkeypatch.setattr(_log.miss_log, "level", logging.NOTSET)
+    with pytest.warns(UserWarning, match=r"CA_LOGS: 'all' ignored; it accepts misses"):
+        _log._configure_from_env()
+    assert _log.miss_log.handlers  # the known value still applies
 
 
 def test_node_whose_trace_fails_runs_for_real_with_its_own_values(backend: str) -> None:

@@ -27,6 +27,10 @@ log = logging.getLogger("ca_runtime")
 miss_log = logging.getLogger("ca_runtime.misses")
 
 
+#: What ``CA_LOGS`` accepts.
+CA_LOGS_VALUES = frozenset({"misses"})
+
+
 def _configure_from_env() -> None:
     """Where ca_runtime's logs go, from the environment.
 
@@ -38,7 +42,15 @@ def _configure_from_env() -> None:
     (DEBUG). ``torch._logging.set_logs(ca=logging.INFO)`` works as for any
     torch log (the ``ca`` log is registered with torch).
     """
-    wanted = {part.strip() for part in os.environ.get("CA_LOGS", "").split(",")}
+    wanted = {part.strip() for part in os.environ.get("CA_LOGS", "").split(",")} - {""}
+    if unknown := sorted(wanted - CA_LOGS_VALUES):
+        warnings.warn(
+            f"CA_LOGS: {', '.join(map(repr, unknown))} ignored; it accepts "
+            f"{', '.join(sorted(CA_LOGS_VALUES))} (comma-separated); TORCH_LOGS=compiled_autograd "
+            "prints all of ca_runtime's logs",
+            UserWarning,
+            stacklevel=2,
+        )
     torch_wanted, torch_verbose = register_ca_logs()
     for logger, on, level in (
         (miss_log, "misses" in wanted or torch_wanted or torch_verbose, logging.INFO),
