@@ -17,9 +17,10 @@ import ca_runtime
 import pytest
 import torch
 from ca_runtime.__main__ import main as cli_main
+from ca_runtime._cache_entry import CacheEntry
 from ca_runtime._report.html import SECTION_IDS, render
 from ca_runtime._report.layout import DrawGraph, DrawNode, dot_version, draw, layers
-from ca_runtime._report.model import ReportData, TreeNode, build_report_data
+from ca_runtime._report.model import ReportData, build_report_data
 from ca_runtime._report.records import miss_category
 from ca_runtime._state import STATE
 
@@ -87,7 +88,7 @@ def test_captures_breaks_and_dynamic_sizes_are_recorded(backend: str) -> None:
     tree = {n.id: n for n in data.cache_tree}
     assert first.entry_id == second.entry_id
     entry = tree[second.entry_id]
-    assert entry.has_graph and entry.hits == 1 and entry.num_dynamic_sizes > 0 and not entry.failed
+    assert entry.has_graph and entry.hits == 1 and entry.dynamic_sizes > 0 and not entry.failed
     assert entry.node_name.endswith("AccumulateGrad")  # the last node of the key path
     (root,) = (n for n in data.cache_tree if n.parent == -1 and n.compiler == f"backend:{backend}")
     assert tree[first.entry_id].compiler == root.compiler
@@ -504,19 +505,18 @@ def test_auto_layout_falls_back_without_dot(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_cache_tree_chains_are_one_row() -> None:
-    def tree_node(i: int, parent: int, name: str, **kw: object) -> TreeNode:
-        fields = dict(
+    def tree_node(i: int, parent: int, name: str, **kw: object) -> CacheEntry:
+        fields: dict[str, object] = dict(
+            key_path_length=0,
             compiler="backend:eager",
             hits=0,
-            has_graph=False,
             failed=False,
             failure="",
-            num_sizes=0,
-            num_dynamic_sizes=0,
-            static_sizes=False,
+            sizes=0,
+            dynamic_sizes=0,
         )
         fields.update(kw)
-        return TreeNode(i, parent, node_name=name, **fields)  # type: ignore[arg-type]
+        return CacheEntry(id=i, parent=parent, node_name=name, **fields)  # type: ignore[arg-type]
 
     chain = [tree_node(1, -1, "")] + [tree_node(i, i - 1, f"Node{i}") for i in range(2, 12)]
     chain += [tree_node(12, 11, "Leaf", has_graph=True, hits=5, failed=True, failure=XSS_MESSAGE)]

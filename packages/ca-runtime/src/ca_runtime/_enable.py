@@ -38,6 +38,7 @@ import torch
 from ca_core.runtime_protocol import EngineRuntime
 
 from ca_runtime._background import BackgroundInductor
+from ca_runtime._cache_entry import CacheEntry
 from ca_runtime._compiler_key import compiler_key, forget_captures, forget_compiler_keys
 from ca_runtime._counters import reset_counters
 from ca_runtime._counters import stats as counter_values
@@ -353,56 +354,6 @@ def stats() -> dict[str, int]:
     return counter_values()
 
 
-@dataclasses.dataclass(frozen=True)
-class CacheEntry:
-    """One captured backward in the shadow-graph cache."""
-
-    #: Number of nodes on its key path (the backward's node count).
-    key_path_length: int
-    #: Backwards served from it since it was captured.
-    hits: int
-    #: Capture or compile failed here: matching backwards run eagerly.
-    failed: bool
-    #: Sizes that are graph inputs (changed since the first capture).
-    dynamic_sizes: int
-    #: All size inputs of the backward.
-    sizes: int
-    #: The compiler it was compiled with: ``backend:NAME`` or ``callable:ID``.
-    compiler: str
-    #: Why it failed (the fallback warning's reason), or "".
-    failure: str
-    #: What its timing chose: ``"compiled"``, ``"eager"`` (compiled was not
-    #: measurably faster, see ``enable(eager_if_faster=...)``; under
-    #: ``eager_if_faster=False`` it runs compiled all the same) or ``""`` (no graph).
-    served_by: str = ""
-    #: Backwards it ran on the eager engine, by that choice or to time it.
-    eager_runs: int = 0
-    #: Median seconds of a compiled backward in its last timing (0.0 before one).
-    compiled_median_s: float = 0.0
-    #: Median seconds of an eager backward in its last timing (0.0 before one).
-    eager_median_s: float = 0.0
-    #: Median of its last timing's per-pair ratios, compiled over eager: it runs
-    #: compiled only below 0.99 (0.0 before a timing).
-    compiled_over_eager: float = 0.0
-
-
 def cache_info() -> list[CacheEntry]:
-    """Every entry of the shadow-graph cache; see also ``last_graph()``."""
-    return [
-        CacheEntry(
-            key_path_length=node.depth,
-            hits=node.hits,
-            failed=node.failed,
-            dynamic_sizes=node.num_dynamic_sizes,
-            sizes=node.num_sizes,
-            compiler=node.compiler,
-            failure=node.failure,
-            served_by=node.served_by,
-            eager_runs=node.eager_runs,
-            compiled_median_s=node.compiled_median_s,
-            eager_median_s=node.eager_median_s,
-            compiled_over_eager=node.compiled_over_eager,
-        )
-        for node in ca_core.cache_tree()
-        if node.has_graph or node.failed
-    ]
+    """Every captured or failed backward of the shadow-graph cache; see also ``last_graph()``."""
+    return [CacheEntry.of(node) for node in ca_core.cache_tree() if node.has_graph or node.failed]

@@ -19,8 +19,9 @@ import hashlib
 import html
 from collections.abc import Iterable, Sequence
 
+from ca_runtime._cache_entry import CacheEntry
 from ca_runtime._report.layout import DrawGraph, DrawNode, dot_version, draw
-from ca_runtime._report.model import ReportData, TreeNode
+from ca_runtime._report.model import ReportData
 from ca_runtime._report.records import NODE_KINDS, CaptureRecord, NodeRecord
 
 __all__ = ["KIND_COLOURS", "SECTION_IDS", "render"]
@@ -173,7 +174,7 @@ def _overview(data: ReportData) -> str:
 # -- cache tree ----------------------------------------------------------------
 
 
-def _is_stop(node: TreeNode, children: dict[int, list[int]]) -> bool:
+def _is_stop(node: CacheEntry, children: dict[int, list[int]]) -> bool:
     """Where a row of the tree ends: an entry, a branch point, a leaf of the tree."""
     return (
         node.parent == -1
@@ -224,9 +225,9 @@ def _cache_tree(data: ReportData) -> str:
             badges.append('<span class="badge graph">graph</span>')
         if end.hits or end.has_graph:
             badges.append(f'<span class="badge">{_plural(end.hits, "hit")}</span>')
-        if end.num_sizes:
+        if end.sizes:
             badges.append(
-                f'<span class="badge">{_plural(end.num_sizes, "size")}, {end.num_dynamic_sizes} dynamic</span>'
+                f'<span class="badge">{_plural(end.sizes, "size")}, {end.dynamic_sizes} dynamic</span>'
             )
         if end.static_sizes:
             badges.append('<span class="badge">static sizes (a dynamic graph failed)</span>')

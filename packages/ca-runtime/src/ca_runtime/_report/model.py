@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 import ca_core
 import torch
 
+from ca_runtime._cache_entry import CacheEntry
 from ca_runtime._counters import stats
 from ca_runtime._report.records import CaptureRecord, FallbackRecord
 from ca_runtime._state import REPORT_LIMIT, STATE
@@ -29,7 +30,6 @@ from ca_runtime._state import REPORT_LIMIT, STATE
 __all__ = [
     "FORMAT_VERSION",
     "ReportData",
-    "TreeNode",
     "build_report_data",
     "set_timings_enabled",
     "timings_enabled",
@@ -39,39 +39,6 @@ __all__ = [
 FORMAT_VERSION = 1
 #: Reasons listed per kind in the overview.
 TOP_REASONS = 8
-
-
-@dataclasses.dataclass
-class TreeNode:
-    """One node of the shadow-graph cache (``ca_core.cache_tree()``)."""
-
-    id: int
-    #: -1 for a compiler's root.
-    parent: int
-    compiler: str
-    #: The autograd node whose key leads here ("" for a root).
-    node_name: str
-    hits: int
-    has_graph: bool
-    failed: bool
-    failure: str
-    num_sizes: int
-    num_dynamic_sizes: int
-    static_sizes: bool
-    #: What its timing chose: "compiled", "eager" or "" (no graph); see
-    #: ``enable(eager_if_faster=...)``.
-    served_by: str = ""
-    #: Backwards it ran on the eager engine, by choice or to time it.
-    eager_runs: int = 0
-    #: Median seconds of a compiled backward in its last timing (0.0 before one).
-    compiled_median_s: float = 0.0
-    #: Median seconds of an eager backward in its last timing (0.0 before one).
-    eager_median_s: float = 0.0
-    #: Median of its last timing's paired ratios compiled / eager (0.0 before one).
-    compiled_over_eager: float = 0.0
-    #: What that node looked like (hooks, ``.grad``, saved tensors): what
-    #: tells siblings of one name apart.
-    node_detail: str = ""
 
 
 @dataclasses.dataclass
@@ -91,7 +58,8 @@ class ReportData:
     seconds: dict[str, float]
     #: Per kind ("break", "fallback", "miss"): the most frequent reasons and their counts.
     top_reasons: dict[str, list[tuple[str, int]]]
-    cache_tree: list[TreeNode]
+    #: Every node of the cache, each compiler's tree depth-first (parents first).
+    cache_tree: list[CacheEntry]
     #: The latest captures and fallbacks, oldest first.
     captures: list[CaptureRecord]
     fallbacks: list[FallbackRecord]
@@ -185,28 +153,7 @@ def build_report_data() -> ReportData:
         timings=dict(timings) if _TimingSwitch.enabled or timings["timed_backwards"] else None,
         seconds=dict(log.seconds),
         top_reasons={kind: _top(log.reasons.get(kind)) for kind in ("break", "fallback", "miss")},
-        cache_tree=[
-            TreeNode(
-                id=n.id,
-                parent=n.parent,
-                compiler=n.compiler,
-                node_name=n.node_name,
-                node_detail=n.node_detail,
-                hits=n.hits,
-                has_graph=n.has_graph,
-                failed=n.failed,
-                failure=n.failure,
-                num_sizes=n.num_sizes,
-                num_dynamic_sizes=n.num_dynamic_sizes,
-                static_sizes=n.static_sizes,
-                served_by=n.served_by,
-                eager_runs=n.eager_runs,
-                compiled_median_s=n.compiled_median_s,
-                eager_median_s=n.eager_median_s,
-                compiled_over_eager=n.compiled_over_eager,
-            )
-            for n in ca_core.cache_tree()
-        ],
+        cache_tree=[CacheEntry.of(n) for n in ca_core.cache_tree()],
         captures=list(log.captures),
         fallbacks=list(log.fallbacks),
         num_captures=log.num_captures,
