@@ -477,8 +477,8 @@ def test_23_dynamo_cache_entries_are_read_as_dynamos_lookup_reads_them() -> None
     assert len(entries) == 1
     (entry,) = entries
     assert entry.backend is _torch_interop.optimized_module_backend(compiled)
-    assert entry.guards_pass({"self": gm, "input": x})
-    assert not entry.guards_pass({"self": gm, "input": torch.ones(5)})  # another shape
+    assert entry.guard_manager.check({"self": gm, "input": x})
+    assert not entry.guard_manager.check({"self": gm, "input": torch.ones(5)})  # another shape
     assert isinstance(entry.code, types.CodeType) and str(entry.compile_id)
     assert _torch_interop.dynamo_cache_entries(torch.nn.Identity.forward.__code__) == []
     torch._dynamo.reset()

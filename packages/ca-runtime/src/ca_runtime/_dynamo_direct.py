@@ -259,22 +259,29 @@ class DirectDynamoCall:
                 "hooks": hooks,
             }
             for entry in dynamo_cache_entries(self._code):
-                if entry.backend is not self.backend:
+                # Read at once: the entry is Dynamo's C++ object, which a
+                # reset on another thread could free. No object of ours is
+                # made per entry: this is the cache-hit path.
+                backend, guards, code, compile_id = (
+                    entry.backend,
+                    entry.guard_manager,
+                    entry.code,
+                    entry.compile_id,
+                )
+                if backend is not self.backend:
                     continue
                 try:
-                    passed = entry.guards_pass(frame_locals)
+                    passed = guards.check(frame_locals)
                 except Exception:  # noqa: BLE001 - Dynamo's own call reports a guard error
                     break
-                function = self._function_for(entry.code) if passed else None
+                function = self._function_for(code) if passed else None
                 if function is not None:
                     _COUNTS.direct_calls += 1
                     # What Dynamo's per-call enter hook does besides its
                     # one-time patch; see _torch_interop's _COMPILE_ONLY_HOOKS.
                     bump_dynamo_generation()
                     if profiler_enabled():
-                        with torch.autograd.profiler.record_function(
-                            f"Torch-Compiled Region: {entry.compile_id}"
-                        ):
+                        with torch.autograd.profiler.record_function(f"Torch-Compiled Region: {compile_id}"):
                             return function(self.gm, inputs, sizes, scalars, hooks)
                     return function(self.gm, inputs, sizes, scalars, hooks)
         if self._recompile_failed:

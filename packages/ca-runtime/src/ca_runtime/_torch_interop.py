@@ -196,7 +196,6 @@ from torch.nn.modules.module import _has_any_global_hook
 
 __all__ = [
     "CustomGraphPass",
-    "DynamoCacheEntry",
     "DynamoCompileContexts",
     "FakeBackwardCFunction",
     "TorchCompileInductorWrapper",
@@ -967,34 +966,18 @@ def autocast_disabled() -> torch._C._DisableAutocast:
     return torch._C._DisableAutocast()
 
 
-class DynamoCacheEntry:
-    """23. One of Dynamo's cache entries of a code, read at once (a reset on another thread could free the C++ entry).
+def dynamo_cache_entries(code: types.CodeType) -> list[Any]:
+    """23. Dynamo's cache entries of ``code``, most recently compiled first, in the order Dynamo's lookup tries them.
 
-    See [Note: Calling Dynamo's cached code directly] in _dynamo_direct.py.
+    Dynamo's own C++ entry objects, as they are (the cache-hit path makes no
+    object per entry): ``backend``, ``guard_manager`` (``.check(frame_locals)``,
+    the full guard set as Dynamo's lookup checks it), ``code`` (the
+    transformed code) and ``compile_id``. A reset on another thread may free
+    an entry: read its fields at once. See [Note: Calling Dynamo's cached
+    code directly] in _dynamo_direct.py.
     """
-
-    __slots__ = ("_guard_manager", "backend", "code", "compile_id")
-
-    def __init__(self, entry: Any) -> None:
-        #: The backend that compiled it, as Dynamo's lookup matches it (see ``optimized_module_backend``).
-        self.backend: object = entry.backend
-        self._guard_manager: Any = entry.guard_manager
-        #: Dynamo's transformed code of the frame.
-        self.code: types.CodeType = entry.code
-        #: Dynamo's ``CompileId`` of the compile that made it.
-        self.compile_id: object = entry.compile_id
-
-    def guards_pass(self, frame_locals: dict[str, Any]) -> bool:
-        """Whether the entry's full guard set passes on ``frame_locals``, as Dynamo's lookup checks it.
-
-        Raises what a guard raises.
-        """
-        return bool(self._guard_manager.check(frame_locals))
-
-
-def dynamo_cache_entries(code: types.CodeType) -> list[DynamoCacheEntry]:
-    """23. Dynamo's cache entries of ``code``, most recently compiled first, in the order Dynamo's lookup tries them."""
-    return [DynamoCacheEntry(entry) for entry in _debug_get_cache_entry_list(code)]
+    entries: list[Any] = _debug_get_cache_entry_list(code)
+    return entries
 
 
 def optimized_module_backend(compiled: Any) -> object:
