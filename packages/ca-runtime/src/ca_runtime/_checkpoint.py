@@ -158,13 +158,18 @@ def recompute_region(
 # the trace.
 
 
-@torch.compiler.disable
-def _unpack_behind_a_break(hook_ids: list[int], packed_ids: list[int]) -> list[torch.Tensor]:
-    """The region's unpack hooks called in eager's order on real tensors; see [Note: A region without records on a hit]."""
+def _call_unpack_hooks(hook_ids: list[int], packed_ids: list[int]) -> list[torch.Tensor]:
+    """The region's unpack hooks, read from the running graph's ``hooks`` input, called on their data in order."""
     return [
         call_user(ca_core.running_graph_hook(h), ca_core.running_graph_hook(d))
         for h, d in zip(hook_ids, packed_ids)
     ]
+
+
+@torch.compiler.disable
+def _unpack_behind_a_break(hook_ids: list[int], packed_ids: list[int]) -> list[torch.Tensor]:
+    """The region's unpack hooks called in eager's order on real tensors; see [Note: A region without records on a hit]."""
+    return _call_unpack_hooks(hook_ids, packed_ids)
 
 
 #: Dispatch keys excluded outside any compiled code (autocast's, while it is off).
@@ -201,10 +206,7 @@ def _checkpoint_recompute(
 ) -> list[torch.Tensor]:
     # See [Note: Recomputing with autograd on].
     with dispatch_keys_excluded_as(_EAGER_EXCLUDED_KEYS):
-        unpacked = [
-            call_user(ca_core.running_graph_hook(h), ca_core.running_graph_hook(d))
-            for h, d in zip(hook_ids, packed_ids)
-        ]
+        unpacked = _call_unpack_hooks(hook_ids, packed_ids)
     return _fresh_and_dense(unpacked, _shapes(sizes, ranks), [_DTYPES[d] for d in dtypes])
 
 
