@@ -213,6 +213,11 @@ void release_later(nb::object& obj);
 /// A fresh ShadowNode::id.
 uint64_t next_shadow_node_id();
 
+/// Lookups that hashed a key since the last reset_keys_hashed(), for
+/// ca_core.timings(); see [Note: The child taken last].
+uint64_t keys_hashed();
+void reset_keys_hashed();
+
 /// A node of the shadow-graph cache: one edge per distinct CacheKey.
 struct ShadowNode {
   /// Unique in the process, for the node's life: cache_tree()'s ids and
@@ -222,6 +227,11 @@ struct ShadowNode {
   std::unordered_map<CacheKey, std::unique_ptr<ShadowNode>> next;
   /// Owns the bytes the keys of `next` point to.
   std::vector<CacheKeyBuffer> key_storage;
+  /// The child the last lookup() led to, or null; tried before hashing, see
+  /// [Note: The child taken last].
+  ShadowNode* last_child = nullptr;
+  /// Its key, whose bytes live in key_storage.
+  CacheKey last_key{typeid(void), nullptr, 0};
   /// Size inputs seen at the last capture; a differing static size is a
   /// miss. See [Note: Dynamic sizes].
   std::vector<int64_t> expected_sizes;

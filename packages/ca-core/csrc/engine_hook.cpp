@@ -1495,6 +1495,7 @@ void register_engine_hook(nb::module_& m) {
         g_timings.run_ns = 0;
         g_timings.finish_ns = 0;
         g_timings.timed_backwards = 0;
+        reset_keys_hashed();
       },
       "Sets every counter and timing to zero.");
   m.def(
@@ -1511,10 +1512,12 @@ void register_engine_hook(nb::module_& m) {
         d["run_ns"] = g_timings.run_ns.load();
         d["finish_ns"] = g_timings.finish_ns.load();
         d["timed_backwards"] = g_timings.timed_backwards.load();
+        d["keys_hashed"] = keys_hashed();
         return d;
       },
       "walk_ns, run_ns, finish_ns (summed) and timed_backwards since the last "
-      "reset_counters(), while set_timing(True).");
+      "reset_counters(), while set_timing(True); keys_hashed, whether timing or "
+      "not: cache lookups that hashed a key (see [Note: The child taken last]).");
 }
 
 } // namespace ca

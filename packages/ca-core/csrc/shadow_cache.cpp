@@ -201,7 +201,36 @@ void release_later(nb::object& obj) {
 }
 
 
+/*
+[Note: The child taken last]
+A training loop walks the same key path on every backward, so each cache
+node first compares the key with the one its last lookup found (type, size,
+then the bytes, read in order) and hashes only when they differ. The hash
+(libstdc++ hashes a type_index by its mangled name) and the bucket array and
+list node it leads to were each a memory access to a place the forward had
+evicted from the caches: on the bench's LSTM, a fifth of a hit's walk
+(bench/LOG.md). The child and its key stay valid while the node lives: a
+child is never removed but by clear(), which forgets it too, and the bytes
+live in key_storage, owned by the node.
+*/
+namespace {
+std::atomic<uint64_t> g_keys_hashed{0};
+} // namespace
+
+uint64_t keys_hashed() {
+  return g_keys_hashed.load(std::memory_order_relaxed);
+}
+
+void reset_keys_hashed() {
+  g_keys_hashed.store(0, std::memory_order_relaxed);
+}
+
 ShadowNode* ShadowNode::lookup(const CacheKey& key, bool& created) {
+  if (last_child != nullptr && last_key == key) {
+    created = false;
+    return last_child;
+  }
+  g_keys_hashed.fetch_add(1, std::memory_order_relaxed);
   auto it = next.find(key);
   created = it == next.end();
   if (created) {
@@ -211,7 +240,9 @@ ShadowNode* ShadowNode::lookup(const CacheKey& key, bool& created) {
     it = next.emplace(stored, std::make_unique<ShadowNode>()).first;
     key_storage.emplace_back(std::move(buffer));
   }
-  return it->second.get();
+  last_child = it->second.get();
+  last_key = it->first;
+  return last_child;
 }
 
 void ShadowNode::clear_failed() {
@@ -234,6 +265,7 @@ void ShadowNode::clear() {
   auto husk = std::make_unique<ShadowNode>();
   husk->next.swap(next);
   husk->key_storage.swap(key_storage);
+  last_child = nullptr;  // see [Note: The child taken last]
   graveyard().nodes.push_back(std::move(husk));
   expected_sizes.clear();
   dynamic_sizes.clear();

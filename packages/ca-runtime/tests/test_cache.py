@@ -388,6 +388,33 @@ def test_step_timings_are_collected_only_when_asked(backend: str) -> None:
     assert set(ca_core.timings().values()) == {0}
 
 
+def test_a_hit_follows_its_key_path_without_hashing(backend: str) -> None:
+    """See [Note: The child taken last] in ca_core: a walk hashes a key only where it leaves the last path."""
+    x = torch.randn(3, requires_grad=True)
+    hashed: list[int] = []
+
+    def step(i: int) -> torch.Tensor:
+        # Two graphs that part at the node after the root's sum: exp, exp, cos, cos, exp, cos.
+        x.grad = None
+        y = x
+        for _ in range(20):
+            y = (y * 1.5).sin()
+        loss = (y.exp() if i in (0, 1, 4) else y.cos()).sum()
+        before = ca_core.timings()["keys_hashed"]
+        loss.backward()
+        hashed.append(ca_core.timings()["keys_hashed"] - before)
+        return loss.detach()
+
+    result = compare(step, backend, tensors={"x": x}, steps=6)
+    result.assert_ok()
+    assert result.stats["captures"] == 2 and result.stats["cache_hits"] == 4, result.stats
+    first, hit, other, other_hit, back, back_again = hashed[-6:]
+    assert first > 40 and other > 40  # every key of a capture is new
+    # A hit on the path walked last hashes nothing; one that parts from it
+    # hashes once, where it parts (the sum's child), and follows the rest.
+    assert (hit, other_hit, back, back_again) == (0, 0, 1, 1)
+
+
 # "alternate" starts with torch's, so it covers torch's first as well.
 @pytest.mark.parametrize("order", ["ours_first", "alternate"])
 def test_coexists_with_torch_builtin_compiled_autograd(order: str) -> None:

@@ -65,6 +65,35 @@ def test_a_graph_with_hundreds_of_outputs_is_direct_too(backend: str) -> None:
     assert direct == 2
 
 
+def test_a_hit_flattens_its_inputs_without_pytree(monkeypatch: pytest.MonkeyPatch) -> None:
+    """See [Note: A stolen list flattened without pytree]: AOTAutograd's wrapper of a graph taking a list."""
+    import torch.utils._pytree as pytree
+
+    calls = []
+    flatten = pytree.arg_tree_leaves
+
+    def counted(*args: Any, **kwargs: Any) -> list[Any]:
+        calls.append(len(args))
+        return flatten(*args, **kwargs)
+
+    monkeypatch.setattr(pytree, "arg_tree_leaves", counted)
+    leaves = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(3)) for _ in range(30))
+
+    per_backward = []
+
+    def step(i: int) -> torch.Tensor:
+        leaves.zero_grad()
+        loss = sum((p * 1.5).sin().sum() for p in leaves)
+        before = len(calls)
+        loss.backward()
+        per_backward.append(len(calls) - before)
+        return loss.detach()
+
+    stats, direct = _compare(step, "aot_eager", leaves, steps=4)
+    assert stats["captures"] == 1 and stats["cache_hits"] == 3 and direct == 3
+    assert per_backward[-3:] == [0, 0, 0]  # torch's wrapper flattened each hit's 60 inputs with pytree
+
+
 def test_a_callable_returning_torch_compile_is_direct_too(backend: str) -> None:
     model = make_mlp()
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import inspect
 import warnings
 import weakref
+from typing import Any
 
 import pytest
 import torch
@@ -101,6 +102,49 @@ def test_5_dynamo_reads_the_locals_to_steal_mark() -> None:
     gm = torch.fx.symbolic_trace(torch.nn.Identity())
     _torch_interop.set_locals_to_steal(gm, ["inputs"])
     assert get_locals_to_steal(gm) == ["inputs"]
+
+
+def test_5_a_stolen_list_is_flattened_as_torch_flattens_it() -> None:
+    """The flatten_graph_inputs of [Note: A stolen list flattened without pytree] against torch's own."""
+    import torch._dynamo.backends.common as aot_backends
+    import torch._dynamo.utils as dynamo_utils
+    import torch._inductor.compile_fx as inductor_compile
+
+    def graph(inputs: list[torch.Tensor], scale: int) -> list[torch.Tensor]:
+        return [inputs[0] * scale + inputs[1]]
+
+    gm = torch.fx.symbolic_trace(graph)
+    next(iter(gm.graph.find_nodes(op="placeholder"))).meta["steal_arg"] = True
+    _torch_interop.set_locals_to_steal(gm, ["inputs"])
+    ours = inductor_compile.flatten_graph_inputs
+    assert aot_backends.flatten_graph_inputs is ours and dynamo_utils.flatten_graph_inputs is not ours
+
+    for flatten, stolen_list in ((dynamo_utils.flatten_graph_inputs, False), (ours, True)):
+        seen: list[list[Any]] = []
+
+        def compile_gm(flat_gm: Any, flat_inputs: list[Any], seen: list[list[Any]] = seen) -> Any:
+            seen.append(list(flat_inputs))
+
+            def boxed(args: list[Any]) -> Any:
+                seen.append(list(args))
+                return flat_gm(*args)
+
+            return boxed
+
+        a, b = torch.ones(2), torch.full((2,), 3.0)
+        run = flatten(gm, [[a, b], 2], compile_gm)
+        inputs = [a, b]
+        (out,) = run(inputs, 2)
+        assert torch.equal(out, torch.full((2,), 5.0))
+        assert inputs == []  # stolen: cleared before the graph runs
+        assert [len(x) for x in seen] == [3, 3] and seen[0][0] is a and seen[1][1] is b and seen[1][2] == 2
+        assert getattr(flatten, "_ca_flattens", False) is stolen_list
+
+    # Anything else (a nested list here) takes torch's path through ours.
+    nested = torch.fx.symbolic_trace(lambda xs: [xs[0][0] + 1])
+    got: list[Any] = []
+    ours(nested, [[[torch.ones(1)]]], lambda g, flat: got.append(len(flat)) or (lambda args: g(*args)))
+    assert got == [1]
 
 
 def test_8_checkpoint_frames_record_each_saved_tensors_metadata() -> None:

@@ -25,7 +25,11 @@ Used through this module:
      whether Dynamo would inline a hook (``dynamo_skips``).
   5. ``torch._dynamo.utils.set_locals_to_steal``: lets Dynamo take over the
      graph's ``inputs`` list and free each saved tensor after its last use
-     (see [Note: Saved tensors freed early] in ca_core).
+     (see [Note: Saved tensors freed early] in ca_core); and
+     ``flatten_graph_inputs`` (with ``GmWrapper``), which Inductor's
+     ``compile_fx`` and AOTAutograd's backends (``torch._dynamo.backends.common``)
+     call for such a graph, replaced in both by one without pytree for it;
+     see [Note: A stolen list flattened without pytree].
   7. ``torch._dynamo.callback.callback_handler``: Dynamo's compile start/end
      callbacks; see [Note: Warnings while Dynamo traces].
   8. Non-reentrant ``torch.utils.checkpoint``'s internals: its unpack hooks'
@@ -397,7 +401,75 @@ def set_locals_to_steal(gm: torch.fx.GraphModule, names: list[str]) -> None:
     """5. Marks the graph's list arguments ``names`` as Dynamo may steal them (free items as it consumes them)."""
     from torch._dynamo.utils import set_locals_to_steal as mark
 
+    _flatten_stolen_list_without_pytree()
     mark(gm, names)
+
+
+# [Note: A stolen list flattened without pytree]
+# Dynamo hands a backend the graph's stolen ``inputs`` list as one list
+# argument (it frees the items as the graph consumes them), so Inductor and
+# AOTAutograd wrap the compiled graph in ``flatten_graph_inputs``. Outside
+# torch's own compiled autograd, whose graphs it recognises by a global flag,
+# that wrapper flattens every call's arguments with pytree: about four
+# Python calls per tensor, 0.15-0.25 ms of each hit of the bench's LSTM
+# backward (441 inputs; bench/LOG.md). For a graph whose first argument is
+# the one stolen list and whose every other argument, and every item of the
+# list, is a pytree leaf (a tensor, a SymInt/SymFloat/SymBool, an int,
+# float or bool), the flat arguments are the list's items followed by the
+# rest, which is what the replacement computes, with a list concatenation
+# (as torch does for its own graphs). Anything else, any caller's, goes to
+# torch's function unchanged. Installed the first time a graph's inputs are
+# marked stolen, in both modules that imported the function by name, and
+# kept: it changes no result, only how the same flat list is made.
+_PYTREE_LEAVES = (torch.Tensor, torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool)
+
+
+def _first_is_stolen_list_of_leaves(gm: torch.fx.GraphModule, inputs: Sequence[Any]) -> bool:
+    stolen = [
+        i for i, node in enumerate(gm.graph.find_nodes(op="placeholder")) if node.meta.get("steal_arg", False)
+    ]
+    return (
+        stolen == [0]
+        and len(inputs) > 0
+        and type(inputs[0]) is list
+        and all(isinstance(x, _PYTREE_LEAVES) for x in inputs[0])
+        and all(isinstance(x, _PYTREE_LEAVES) for x in inputs[1:])
+    )
+
+
+def _flatten_stolen_list_without_pytree() -> None:
+    """5. Installs the ``flatten_graph_inputs`` of [Note: A stolen list flattened without pytree] (idempotent)."""
+    import torch._dynamo.backends.common as aot_backends
+    import torch._dynamo.utils as dynamo_utils
+    import torch._inductor.compile_fx as inductor_compile
+
+    torch_flatten: Callable[..., Any] = dynamo_utils.flatten_graph_inputs
+    if getattr(inductor_compile.flatten_graph_inputs, "_ca_flattens", False):
+        return
+
+    @functools.wraps(torch_flatten)
+    def flatten_graph_inputs(
+        gm: torch.fx.GraphModule, inputs: Sequence[Any], compile_gm: Callable[[Any, Any], Any]
+    ) -> Callable[..., Any]:
+        if not _first_is_stolen_list_of_leaves(gm, inputs):
+            return torch_flatten(gm, inputs, compile_gm)
+        count = len(inputs[0])
+
+        def unflatten(flat: list[Any]) -> tuple[Any, ...]:
+            return (flat[:count], *flat[count:])
+
+        compiled = compile_gm(dynamo_utils.GmWrapper(gm, unflatten), inputs[0] + list(inputs[1:]))
+
+        def call_flat(*args: Any) -> Any:
+            flat = args[0] + list(args[1:])
+            args[0].clear()  # the items are the graph's to free now
+            return compiled(flat)
+
+        return call_flat
+
+    flatten_graph_inputs._ca_flattens = True  # type: ignore[attr-defined]
+    inductor_compile.flatten_graph_inputs = flatten_graph_inputs
+    aot_backends.flatten_graph_inputs = flatten_graph_inputs
 
 
 # [Note: Warnings while Dynamo traces]
