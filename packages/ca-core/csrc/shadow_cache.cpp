@@ -529,14 +529,22 @@ uint64_t next_shadow_node_id() {
 
 namespace {
 
-/// What an entry's timing chose, as cache_tree() shows
-/// it: "compiled", "eager", or "" without a graph; see [Note: Eager when it
-/// is faster].
-const char* served_by(const ShadowNode& node) {
+/// How a cache entry's hits run, as cache_tree() shows it; see [Note: Eager
+/// when it is faster].
+enum class ServedBy : uint8_t {
+  /// No graph at this node.
+  none,
+  /// Its compiled graph (the default; also before and while it is timed).
+  compiled,
+  /// The eager engine: its timing found compiled not measurably faster.
+  eager,
+};
+
+ServedBy served_by(const ShadowNode& node) {
   if (!node.compiled_fn.is_valid()) {
-    return "";
+    return ServedBy::none;
   }
-  return node.choice.eager ? "eager" : "compiled";
+  return node.choice.eager ? ServedBy::eager : ServedBy::compiled;
 }
 
 double seconds(uint64_t ns) {
@@ -597,9 +605,8 @@ struct CacheTreeNode {
   uint32_t num_dynamic_sizes = 0;
   /// Sizes stay static; see [Note: Static when dynamic fails].
   bool static_sizes = false;
-  /// What its timing chose: "compiled", "eager" or "" (no graph); see
-  /// [Note: Eager when it is faster].
-  std::string served_by;
+  /// What its timing chose; see [Note: Eager when it is faster].
+  ServedBy served_by = ServedBy::none;
   /// Backwards it ran on the eager engine by choice or to time it.
   uint64_t eager_runs = 0;
   /// Median seconds of a compiled backward in its last timing (0 before one).
@@ -629,6 +636,10 @@ void register_shadow_cache(nb::module_& m) {
       "(eager, compiled_over_eager, undecided): what a cache entry decides from timed "
       "runs of each way, the k-th of each neighbours in time (undecided: it would time "
       "more); see [Note: Eager when it is faster].");
+  nb::enum_<ServedBy>(m, "ServedBy", "How a cache entry's hits run (CacheTreeNode.served_by).")
+      .value("none", ServedBy::none, "No graph at this node.")
+      .value("compiled", ServedBy::compiled, "Its compiled graph.")
+      .value("eager", ServedBy::eager, "The eager engine, chosen by timing (eager_if_faster).");
   nb::class_<CacheTreeNode>(m, "CacheTreeNode", "One node of the shadow-graph cache (cache_tree()).")
       .def_ro("id", &CacheTreeNode::id)
       .def_ro("parent", &CacheTreeNode::parent)

@@ -77,7 +77,7 @@ def test_walk_describes_nodes_in_eager_order_and_remembers_failure() -> None:
         0,
         False,
         "default",
-        "",
+        ca_core.ServedBy.none,
     )
     ca_core.clear_cache()
     assert [node for node in ca_core.cache_tree() if node.failed or node.has_graph] == []

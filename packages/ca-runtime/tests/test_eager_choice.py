@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import ca_core
 import ca_runtime
 import ca_testkit
 import pytest
@@ -78,7 +79,8 @@ def test_a_graph_slower_than_eager_runs_on_the_eager_engine(
     # WARMUP untimed and TIMED timed compiled hits; TIMED timed and 3 chosen eager runs.
     assert stats["cache_hits"] == WARMUP + TIMED and stats["eager_by_choice"] == TIMED + 3, stats
     entry = _entry()
-    assert entry.served_by == "eager" and entry.eager_runs == TIMED + 3, entry
+    assert entry.served_by is ca_runtime.ServedBy.EAGER and entry.served_by == "eager", entry
+    assert entry.eager_runs == TIMED + 3, entry
     assert entry.compiled_median_s > entry.eager_median_s + 0.015, entry
     assert entry.compiled_over_eager > 1.5, entry  # 20 ms more than a ~1 ms backward, per pair
     chose = [r.getMessage() for r in caplog.records if "its backwards now run" in r.getMessage()]
@@ -470,3 +472,9 @@ def test_a_graph_on_an_asynchronous_device_is_not_timed() -> None:
     assert all(g is not None and g.device.type == "meta" and g.shape == (8, 8) for g in grads)
     stats, _ = run("cpu")
     assert stats["eager_by_choice"] == TIMED + 3, stats
+
+
+def test_served_by_is_ca_cores_member_for_member() -> None:
+    """``CacheEntry.served_by`` (a ``ServedBy``, equal to its string) is made of ``ca_core.ServedBy`` by name."""
+    assert [ca_runtime.ServedBy.of(m) for m in ca_core.ServedBy] == list(ca_runtime.ServedBy)
+    assert [str(m) for m in ca_runtime.ServedBy] == ["", "compiled", "eager"]

@@ -21,7 +21,7 @@ from ca_runtime._cache_entry import CacheEntry
 from ca_runtime._report.html import SECTION_IDS, render
 from ca_runtime._report.layout import DrawGraph, DrawNode, dot_version, draw, layers
 from ca_runtime._report.model import ReportData, build_report_data
-from ca_runtime._report.records import miss_category
+from ca_runtime._report.records import Outcome, Stage, miss_category
 from ca_runtime._state import STATE
 
 pytestmark = pytest.mark.filterwarnings("ignore::ca_runtime.GraphBreakWarning")
@@ -68,7 +68,7 @@ def test_captures_breaks_and_dynamic_sizes_are_recorded(backend: str) -> None:
     }
     first, second = data.captures
     assert (first.id, second.id) == (1, 2) and data.num_captures == 2
-    assert first.miss_node is None and first.outcome == second.outcome == "ran"
+    assert first.miss_node is None and first.outcome is second.outcome is Outcome.RAN
     assert "changed from 4 to 8 and is now dynamic" in second.miss_reason
     assert second.nodes[second.miss_node].name == "SumBackward0"
     assert first.lifted.num_dynamic_sizes == 0 < second.lifted.num_dynamic_sizes
@@ -138,7 +138,9 @@ def test_compiler_fn_failure_is_a_recorded_fallback() -> None:
     data = build_report_data()
     (capture,) = data.captures
     (fallback,) = data.fallbacks
-    assert capture.outcome == "failed" and capture.failure_stage == "compiler_fn" and capture.ran_eagerly
+    assert (
+        capture.outcome is Outcome.FAILED and capture.failure_stage is Stage.COMPILE and capture.ran_eagerly
+    )
     assert "this compiler is broken today" in capture.failure
     assert capture.compile_s is None and capture.first_run_s is None
     assert {n.kind for n in capture.nodes if n.needed} == {"eager"}
@@ -149,6 +151,12 @@ def test_compiler_fn_failure_is_a_recorded_fallback() -> None:
     (entry,) = [n for n in data.cache_tree if n.id == capture.entry_id]
     assert entry.failed and "this compiler is broken today" in entry.failure
     assert data.top_reasons["fallback"][0][0].startswith("compiler_fn: RuntimeError: this compiler")
+    # Stages and outcomes are read back from the JSON as what they are.
+    again = ReportData.from_json(json.loads(json.dumps(data.to_json())))
+    assert again == data and again.captures[0].failure_stage is Stage.COMPILE
+    assert again.captures[0].outcome is Outcome.FAILED and set(again.seconds) <= set(Stage)
+    assert all(type(stage) is Stage for stage in again.seconds)
+    assert "failed at compiler_fn" in render(again)
 
 
 def test_first_run_failure_is_a_recorded_fallback() -> None:
@@ -166,7 +174,7 @@ def test_first_run_failure_is_a_recorded_fallback() -> None:
     data = build_report_data()
     (capture,) = data.captures
     (fallback,) = data.fallbacks
-    assert capture.failure_stage == "first run" and "the backend refuses" in capture.failure
+    assert capture.failure_stage is Stage.FIRST_RUN and "the backend refuses" in capture.failure
     assert capture.compile_s is not None and capture.first_run_s is not None and capture.ran_eagerly
     assert (fallback.where, fallback.capture_id) == ("compiled graph", capture.id)
 
@@ -222,7 +230,13 @@ def test_reset_forgets_records_and_timings() -> None:
         data = build_report_data()
         assert data.captures == [] and data.num_captures == 0
         assert all(n.parent == -1 for n in data.cache_tree)  # at most the empty compiler roots
-        assert data.timings == {"walk_ns": 0, "run_ns": 0, "finish_ns": 0, "timed_backwards": 0}
+        assert data.timings == {
+            "walk_ns": 0,
+            "run_ns": 0,
+            "finish_ns": 0,
+            "timed_backwards": 0,
+            "keys_hashed": 0,
+        }
     finally:
         ca_runtime.collect_timings(False)
     assert build_report_data().timings is None  # off and nothing timed: "not collected"

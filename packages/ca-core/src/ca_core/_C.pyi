@@ -41,6 +41,13 @@ class FunctionInfo:
     @property
     def opaque_hooks(self) -> list[int]: ...
 
+class ServedBy(enum.Enum):
+    """How a cache entry's hits run (CacheTreeNode.served_by)."""
+
+    none = 0
+    compiled = 1
+    eager = 2
+
 class TensorPreHookKind(enum.Enum):
     """Which kind of tensor pre-hook."""
 
@@ -198,7 +205,7 @@ class CacheTreeNode:
     @property
     def static_sizes(self) -> bool: ...
     @property
-    def served_by(self) -> str: ...
+    def served_by(self) -> ServedBy: ...
     @property
     def eager_runs(self) -> int: ...
     @property

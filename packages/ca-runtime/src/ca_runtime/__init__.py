@@ -67,6 +67,7 @@ def _check_ca_core() -> None:
 _check_ca_core()
 
 from ca_runtime._background import wait_for_background_compiles  # noqa: E402
+from ca_runtime._cache_entry import ServedBy  # noqa: E402
 from ca_runtime._capture import build_graph_module  # noqa: E402
 from ca_runtime._enable import (  # noqa: E402
     CacheEntry,
@@ -88,6 +89,7 @@ __all__ = [
     "GraphBreakWarning",
     "RecompileWarning",
     "Runtime",
+    "ServedBy",
     "build_graph_module",
     "cache_clear_failed",
     "cache_info",

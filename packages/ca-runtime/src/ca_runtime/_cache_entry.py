@@ -9,10 +9,26 @@ make this type of each node.
 from __future__ import annotations
 
 import dataclasses
+import enum
 
 import ca_core
 
-__all__ = ["CacheEntry"]
+__all__ = ["CacheEntry", "ServedBy"]
+
+
+class ServedBy(enum.StrEnum):
+    """How a cache entry's hits run: ``ca_core.ServedBy``, member for member; equal to its string."""
+
+    #: No graph at this node.
+    NONE = ""
+    #: Its compiled graph (the default; also before and while it is timed).
+    COMPILED = "compiled"
+    #: The eager engine: its timing found compiled not measurably faster (``eager_if_faster``).
+    EAGER = "eager"
+
+    @classmethod
+    def of(cls, served_by: ca_core.ServedBy) -> ServedBy:
+        return cls[served_by.name.upper()]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,10 +49,11 @@ class CacheEntry:
     compiler: str
     #: Why it failed (the fallback warning's reason), or "".
     failure: str
-    #: What its timing chose: ``"compiled"``, ``"eager"`` (compiled was not
-    #: measurably faster, see ``enable(eager_if_faster=...)``; under
-    #: ``eager_if_faster=False`` it runs compiled all the same) or ``""`` (no graph).
-    served_by: str = ""
+    #: What its timing chose: ``ServedBy.COMPILED``, ``ServedBy.EAGER`` (compiled
+    #: was not measurably faster, see ``enable(eager_if_faster=...)``; under
+    #: ``eager_if_faster=False`` it runs compiled all the same) or
+    #: ``ServedBy.NONE`` (no graph); each equal to its string ("compiled", "eager", "").
+    served_by: ServedBy = ServedBy.NONE
     #: Backwards it ran on the eager engine, by that choice or to time it.
     eager_runs: int = 0
     #: Median seconds of a compiled backward in its last timing (0.0 before one).
@@ -70,7 +87,7 @@ class CacheEntry:
             sizes=node.num_sizes,
             compiler=node.compiler,
             failure=node.failure,
-            served_by=node.served_by,
+            served_by=ServedBy.of(node.served_by),
             eager_runs=node.eager_runs,
             compiled_median_s=node.compiled_median_s,
             eager_median_s=node.eager_median_s,

@@ -294,11 +294,11 @@ class Runtime:
         try:
             captured = build_graph_module(graph)
         except UnsupportedNode as e:
-            records.capture_failed(record, "capture", e.reason, e.node_index)
+            records.capture_failed(record, records.Stage.CAPTURE, e.reason, e.node_index)
             self._fallback(e.node_name, e.reason, record)
             return None
         except Exception as e:  # noqa: BLE001 - a capture bug must not kill the training step
-            records.capture_failed(record, "capture", describe_error(e))
+            records.capture_failed(record, records.Stage.CAPTURE, describe_error(e))
             self._fallback("capture", describe_error(e), record)
             return None
         records.capture_built(record, captured, time.perf_counter() - start)
@@ -313,7 +313,7 @@ class Runtime:
         try:
             compiled = self._compile(form)
         except Exception as e:  # noqa: BLE001 - any compiler failure is a fallback with a warning
-            records.capture_failed(record, "compiler_fn", describe_error(e))
+            records.capture_failed(record, records.Stage.COMPILE, describe_error(e))
             self._fallback("compiler_fn", describe_error(e), record)
             return None
         if not callable(compiled):
@@ -321,7 +321,7 @@ class Runtime:
                 f"{self._describe_compiler()} returned {_what(compiled)}, not a callable: return gm, "
                 "torch.compile(gm, ...) or a wrapper that calls one of them"
             )
-            records.capture_failed(record, "compiler_fn", reason)
+            records.capture_failed(record, records.Stage.COMPILE, reason)
             self._fallback("compiler_fn", reason, record)
             return None
         if graph.create_graph and _once_differentiable(compiled):

@@ -33,7 +33,7 @@ import torch
 
 if TYPE_CHECKING:
     from ca_runtime._capture import GraphBreak
-    from ca_runtime._report.records import CaptureRecord, FallbackRecord
+    from ca_runtime._report.records import CaptureRecord, FallbackRecord, Stage
 
 __all__ = ["REPORT_LIMIT", "STATE", "ReportLog", "RuntimeState"]
 
@@ -55,8 +55,8 @@ class ReportLog:
         #: Records made since the reset (the deques keep the latest).
         self.num_captures = 0
         self.num_fallbacks = 0
-        #: Seconds spent per stage ("capture", "compile", "first_run").
-        self.seconds: dict[str, float] = {}
+        #: Seconds spent per stage.
+        self.seconds: dict[Stage, float] = {}
         #: Per kind ("break", "fallback", "miss"): how often each reason occurred.
         self.reasons: dict[str, Counter[str]] = {}
 
@@ -105,7 +105,7 @@ class RuntimeState:
             record.id = log.num_fallbacks
             log.fallbacks.append(record)
 
-    def add_seconds(self, stage: str, seconds: float) -> None:
+    def add_seconds(self, stage: Stage, seconds: float) -> None:
         with self._lock:
             seconds_by_stage = self.report_log.seconds
             seconds_by_stage[stage] = seconds_by_stage.get(stage, 0.0) + seconds

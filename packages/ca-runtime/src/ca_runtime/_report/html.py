@@ -19,10 +19,10 @@ import hashlib
 import html
 from collections.abc import Iterable, Sequence
 
-from ca_runtime._cache_entry import CacheEntry
+from ca_runtime._cache_entry import CacheEntry, ServedBy
 from ca_runtime._report.layout import DrawGraph, DrawNode, dot_version, draw
 from ca_runtime._report.model import ReportData
-from ca_runtime._report.records import NODE_KINDS, CaptureRecord, NodeRecord
+from ca_runtime._report.records import NODE_KINDS, CaptureRecord, NodeRecord, Outcome, Stage
 
 __all__ = ["KIND_COLOURS", "SECTION_IDS", "render"]
 
@@ -116,7 +116,7 @@ def _overview(data: ReportData) -> str:
     # average over both says nothing about either. The run step's timer
     # covers both; a hit's share is what the first runs leave.
     first_runs = sum(1 for c in data.captures if c.first_run_s is not None)
-    first_run_s = data.seconds.get("first_run", 0.0)
+    first_run_s = data.seconds.get(Stage.FIRST_RUN, 0.0)
     if t is None:
         hit_runs = ("—", "—")
     else:
@@ -124,8 +124,8 @@ def _overview(data: ReportData) -> str:
         hit_runs = (_seconds(on_hits), per(on_hits, data.counters.get("cache_hits", 0)))
     rows = [
         ("walk of the autograd graph (every backward)", *ns("walk_ns"), "timed backward"),
-        ("capture: building the FX graph (misses)", _seconds(data.seconds.get("capture", 0.0)), "", ""),
-        ("compile: the compiler_fn call (misses)", _seconds(data.seconds.get("compile", 0.0)), "", ""),
+        ("capture: building the FX graph (misses)", _seconds(data.seconds.get(Stage.CAPTURE, 0.0)), "", ""),
+        ("compile: the compiler_fn call (misses)", _seconds(data.seconds.get(Stage.COMPILE, 0.0)), "", ""),
         (
             "first runs (include the lazy compile)",
             _seconds(first_run_s),
@@ -236,7 +236,7 @@ def _cache_tree(data: ReportData) -> str:
                 f"compiled {_seconds(end.compiled_median_s)}, eager {_seconds(end.eager_median_s)}, "
                 f"compiled/eager {end.compiled_over_eager:.3f} paired"
             )
-            if end.served_by == "eager":
+            if end.served_by is ServedBy.EAGER:
                 badges.append(
                     f'<span class="badge eager">runs eagerly, compiled not measurably faster ({timing})</span>'
                 )
@@ -366,14 +366,21 @@ class _Drawer:
         return f"Graphs drawn with graphviz dot ({e(version or 'dot')}), some with the built-in layered layout ({why})."
 
 
+#: A capture's outcome in the report's words (a failure names its stage).
+_OUTCOME_WORDS = {
+    Outcome.RAN: "compiled and ran",
+    Outcome.COMPILED: "compiled",
+    Outcome.CAPTURING: "capturing",
+}
+
+
 def _outcome(capture: CaptureRecord) -> str:
-    if capture.outcome == "failed":
-        return f'<span class="bad">failed at {e(capture.failure_stage)}</span>' + (
+    if capture.outcome is Outcome.FAILED:
+        stage = capture.failure_stage.label if capture.failure_stage else ""
+        return f'<span class="bad">failed at {e(stage)}</span>' + (
             ", ran eagerly" if capture.ran_eagerly else ""
         )
-    return {"ran": "compiled and ran", "compiled": "compiled", "capturing": "capturing"}.get(
-        capture.outcome, e(capture.outcome)
-    )
+    return _OUTCOME_WORDS[capture.outcome]
 
 
 def _node_link(capture_id: int, index: int | None, text: str) -> str:
@@ -449,7 +456,8 @@ def _capture_section(capture: CaptureRecord, drawer: _Drawer, open_: bool, in_tr
         facts.append("create_graph=True")
     parts = [f'<p class="facts">{" · ".join(facts)}</p>']
     if capture.failure:
-        parts.append(f'<p class="failure">{e(capture.failure_stage)}: {e(capture.failure)}</p>')
+        stage = capture.failure_stage.label if capture.failure_stage else ""
+        parts.append(f'<p class="failure">{e(stage)}: {e(capture.failure)}</p>')
     if capture.miss_node is not None:
         parts.append(
             f"<p>Cache miss at {_node_link(capture.id, capture.miss_node, capture.nodes[capture.miss_node].name)}: "

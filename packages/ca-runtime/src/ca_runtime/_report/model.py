@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import enum
 import importlib.metadata
 import os
 import sys
@@ -24,7 +25,7 @@ import torch
 
 from ca_runtime._cache_entry import CacheEntry
 from ca_runtime._counters import stats
-from ca_runtime._report.records import CaptureRecord, FallbackRecord
+from ca_runtime._report.records import CaptureRecord, FallbackRecord, Stage
 from ca_runtime._state import REPORT_LIMIT, STATE
 
 __all__ = [
@@ -51,11 +52,11 @@ class ReportData:
     versions: dict[str, str]
     #: ``ca_runtime.stats()``.
     counters: dict[str, int]
-    #: ``ca_core.timings()`` (walk_ns, run_ns, finish_ns, timed_backwards), or
+    #: ``ca_core.timings()`` (walk_ns, run_ns, finish_ns, timed_backwards, keys_hashed), or
     #: None when timings were not collected.
     timings: dict[str, int] | None
-    #: Seconds per miss-path stage: "capture", "compile", "first_run".
-    seconds: dict[str, float]
+    #: Seconds per miss-path stage.
+    seconds: dict[Stage, float]
     #: Per kind ("break", "fallback", "miss"): the most frequent reasons and their counts.
     top_reasons: dict[str, list[tuple[str, int]]]
     #: Every node of the cache, each compiler's tree depth-first (parents first).
@@ -107,7 +108,9 @@ def _convert(hint: Any, value: Any) -> Any:
     if origin is tuple:
         return tuple(_convert(a, v) for a, v in zip(args, value))
     if origin is dict:
-        return {k: _convert(args[1], v) for k, v in value.items()}
+        return {_convert(args[0], k): _convert(args[1], v) for k, v in value.items()}
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return hint(value)
     return value
 
 

@@ -27,6 +27,7 @@ are a separate mark: a node can be traced *and* have hooks.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import re
 import threading
 import time
@@ -50,6 +51,8 @@ __all__ = [
     "HookRecord",
     "LiftedInputs",
     "NodeRecord",
+    "Outcome",
+    "Stage",
     "begin_capture",
     "capture_built",
     "capture_compiled",
@@ -130,6 +133,36 @@ class LiftedInputs:
     scalars: list[str] = dataclasses.field(default_factory=list)
 
 
+class Stage(enum.StrEnum):
+    """A step of a capture: what the report times (``seconds``) and where a capture failed."""
+
+    #: Building the FX graph from the walked nodes (build_graph_module).
+    CAPTURE = "capture"
+    #: The compiler_fn call.
+    COMPILE = "compile"
+    #: The compiled graph's first call (where torch.compile compiles, lazily).
+    FIRST_RUN = "first_run"
+
+    @property
+    def label(self) -> str:
+        """In the report's words."""
+        return _STAGE_LABELS[self]
+
+
+_STAGE_LABELS = {Stage.CAPTURE: "capture", Stage.COMPILE: "compiler_fn", Stage.FIRST_RUN: "first run"}
+
+
+class Outcome(enum.StrEnum):
+    """How far a capture got."""
+
+    CAPTURING = "capturing"
+    #: compiler_fn returned a callable.
+    COMPILED = "compiled"
+    #: Its first run succeeded.
+    RAN = "ran"
+    FAILED = "failed"
+
+
 @dataclasses.dataclass
 class CaptureRecord:
     """One call of ``Runtime.capture``: a backward captured (or not) into an FX graph."""
@@ -155,10 +188,9 @@ class CaptureRecord:
     capture_s: float | None = None
     compile_s: float | None = None
     first_run_s: float | None = None
-    #: "capturing", "compiled", "ran" (its first run succeeded) or "failed".
-    outcome: str = "capturing"
-    #: Where it failed ("capture", "compiler_fn", "first run") and why.
-    failure_stage: str = ""
+    outcome: Outcome = Outcome.CAPTURING
+    #: Where it failed and why.
+    failure_stage: Stage | None = None
     failure: str = ""
     #: Walk index of the node the capture could not take, or None.
     failed_node: int | None = None
@@ -296,20 +328,20 @@ def capture_built(record: CaptureRecord, captured: Capture, seconds: float) -> N
             ran = "" if node.is_leaf else f"the node is {node.kind}; "
             node.kind = "break"
             node.detail = ran + "; ".join(reasons)
-    STATE.add_seconds("capture", seconds)
+    STATE.add_seconds(Stage.CAPTURE, seconds)
     STATE.count_reasons("break", (b.reason for b in record.breaks))
 
 
 def capture_compiled(record: CaptureRecord, seconds: float) -> None:
     """``compiler_fn`` returned a callable after ``seconds``."""
     record.compile_s = seconds
-    record.outcome = "compiled"
-    STATE.add_seconds("compile", seconds)
+    record.outcome = Outcome.COMPILED
+    STATE.add_seconds(Stage.COMPILE, seconds)
 
 
-def capture_failed(record: CaptureRecord, stage: str, reason: str, node: int | None = None) -> None:
+def capture_failed(record: CaptureRecord, stage: Stage, reason: str, node: int | None = None) -> None:
     """The capture, the compiler_fn or the first run failed."""
-    record.outcome = "failed"
+    record.outcome = Outcome.FAILED
     record.failure_stage = stage
     record.failure = reason
     record.failed_node = node
@@ -350,7 +382,7 @@ def first_run_done(
     and the hooks are described here.
     """
     record.first_run_s = seconds
-    STATE.add_seconds("first_run", seconds)
+    STATE.add_seconds(Stage.FIRST_RUN, seconds)
     record.lifted.num_hooks = len(hooks)
     record.lifted.tensors = described_inputs
     record.lifted.scalars = [_safe_repr(s) for s in scalars[:_MAX_LISTED]]
@@ -359,9 +391,9 @@ def first_run_done(
             if hook.index is not None and 0 <= hook.index < len(hooks):
                 hook.repr = _safe_repr(hooks[hook.index])
     if failure:
-        capture_failed(record, "first run", failure)
+        capture_failed(record, Stage.FIRST_RUN, failure)
     else:
-        record.outcome = "ran"
+        record.outcome = Outcome.RAN
 
 
 def record_fallback(compiler: str, where: str, reason: str, capture: CaptureRecord | None) -> None:
