@@ -167,7 +167,8 @@ def test_workers_time_out_and_are_replaced(tmp_path, monkeypatch) -> None:
     monkeypatch.syspath_prepend(str(Path(__file__).parent / "workers"))
     from sweep_compilers import stalling_once_compiler
 
-    results = sweep.run_sweep(tasks, stalling_once_compiler, "ca", jobs=2, max_samples=1, timeout=1.0)
+    # The stalled samples sleep 60 s; 5 s leaves the one that passes room on a loaded machine (1 s did not).
+    results = sweep.run_sweep(tasks, stalling_once_compiler, "ca", jobs=2, max_samples=1, timeout=5.0)
     assert sorted((r.op, r.dtype) for r in results) == sorted(tasks)
     assert sorted(r.result for r in results) == ["pass", "timeout", "timeout"]
     details = sorted(r.detail for r in results if r.result == "timeout")
