@@ -430,79 +430,6 @@ class StepTimer {
   std::chrono::steady_clock::time_point start_;
 };
 
-/// What a backward's GraphTask looks like, cheaply; see [Note: Eager without the walk].
-struct GraphFingerprint {
-  /// typeid of the root node (the loss's grad_fn).
-  const std::type_info* root_type = nullptr;
-  /// graph_task.dependencies_.size(), exec_info_.size(), output edges.
-  size_t nodes = 0;
-  size_t exec_nodes = 0;
-  size_t outputs = 0;
-  /// retain_graph, create_graph, and backward (true) or grad (false).
-  bool keep_graph = false;
-  bool create_graph = false;
-  bool accumulate_grad = false;
-  /// The types, input numbers and input shapes of the next edges of the
-  /// first kFingerprintNodes nodes from the root (breadth first), hashed.
-  size_t next_hash = 0;
-
-  bool operator==(const GraphFingerprint& o) const {
-    return root_type == o.root_type && nodes == o.nodes && exec_nodes == o.exec_nodes &&
-        outputs == o.outputs && keep_graph == o.keep_graph && create_graph == o.create_graph &&
-        accumulate_grad == o.accumulate_grad && next_hash == o.next_hash;
-  }
-};
-
-/// Nodes whose next edges a fingerprint hashes, nearest the root first.
-constexpr size_t kFingerprintNodes = 8;
-
-GraphFingerprint fingerprint_of(
-    const Node& root,
-    const GraphTask& graph_task,
-    bool accumulate_grad,
-    const torch::autograd::edge_list& output_edges) {
-  GraphFingerprint f;
-  f.root_type = &typeid(root);
-  f.nodes = graph_task.dependencies_.size();
-  f.exec_nodes = graph_task.exec_info_.size();
-  f.outputs = output_edges.size();
-  f.keep_graph = graph_task.keep_graph_;
-  f.create_graph = torch_private::task_grad_mode(graph_task);
-  f.accumulate_grad = accumulate_grad;
-  size_t h = 0;
-  auto mix = [&h](size_t v) { h ^= v + 0x9e3779b97f4a7c15ULL + (h << 6) + (h >> 2); };
-  // Breadth-first from the root, a few levels and nodes deep: the root is
-  // usually a GraphRoot and the loss's own node has a scalar input, so the
-  // sizes that change with a batch are a level or two further.
-  std::array<const Node*, kFingerprintNodes> queue{};
-  size_t queued = 0;
-  queue[queued++] = &root;
-  for (size_t i = 0; i < queued; ++i) {
-    for (const auto& edge : queue[i]->next_edges()) {
-      if (!edge.is_valid()) {
-        mix(0);
-        continue;
-      }
-      const Node& next = *edge.function;
-      mix(typeid(next).hash_code());
-      mix(edge.input_nr);
-      const auto& meta = next.input_metadata(edge.input_nr);
-      if (meta.is_nested_tensor() || meta.was_default_constructed()) {
-        mix(1);
-      } else {
-        for (const c10::SymInt& size : meta.shape_as_dim_vector()) {
-          mix(size.is_heap_allocated() ? 0 : static_cast<size_t>(size.as_int_unchecked()));
-        }
-      }
-      if (queued < queue.size()) {
-        queue[queued++] = &next;
-      }
-    }
-  }
-  f.next_hash = h;
-  return f;
-}
-
 /// One backward in flight through the hook; see [Note: The steps of a backward].
 struct BackwardRun {
   BackwardRun(
@@ -729,111 +656,20 @@ bool walked_sizes_match(const ShadowNode& entry, const BackwardState& state) {
   return i == entry.expected_sizes.size();
 }
 
-/*
-[Note: Eager without the walk]
-An entry that chose the eager engine (see [Note: Eager when it is faster])
-still paid the walk on every backward, only to learn which entry it was:
-on the bench's chain of 1000 muls, 3 ms on top of eager's 12. So each
-backward served eagerly by choice is remembered by a fingerprint of its
-GraphTask that costs nothing to compute (GraphFingerprint: the root's type,
-the numbers of nodes, of exec_info entries and of outputs, retain_graph,
-create_graph, accumulate-or-return, and the types and input shapes of the
-next nodes of the few nodes nearest the root), and a later backward with the same fingerprint, at an
-entry that is still alive, still chose eager and has no timing due, runs on
-the eager engine at once, counted in eager_by_choice and in the entry's
-runs as if it had been walked. Every kWalkEvery-th such backward is walked
-anyway, so that a different graph with the same fingerprint (a new hook,
-new sizes deeper down) is captured or served as it should be within that
-many backwards; eager's results are right for it meanwhile (eager is the
-oracle). Forgotten when the walk of its fingerprint ends anywhere but at a
-choice of eager, and with the cache (cache_generation).
-
-The fingerprint is only computed where it can serve: before the walk
-when some backward under the same cache is remembered (a 4-slot scan
-otherwise, so a compiled hit pays nothing for this), and at the choice of
-eager when it is remembered. The walk only reads the GraphTask and the
-graph, so both give the same fingerprint.
-
-Since choosing eager now saves the walk too, a timed compiled run counts
-from the walk's start; a timed eager run is still the engine's run alone,
-after a walk.
-*/
-
-/// A backward served eagerly by choice, remembered by its fingerprint; see
-/// [Note: Eager without the walk].
-struct RememberedEager {
-  /// The cache root (compiler) it was walked under; null: an empty slot.
-  const ShadowNode* cache = nullptr;
-  GraphFingerprint fingerprint;
-  /// The entry that chose eager, alive while cache_generation(*cache) == generation.
-  ShadowNode* entry = nullptr;
-  uint64_t generation = 0;
-  /// Backwards served without a walk since its last walk.
-  uint32_t unwalked = 0;
-};
-
-/// Walk one in this many backwards of a remembered fingerprint anyway.
-constexpr uint32_t kWalkEvery = 16;
-/// A few slots: a training loop alternates between few backwards. GIL held.
-std::array<RememberedEager, 4> g_remembered_eager;
-size_t g_next_remembered = 0;
-
-RememberedEager* remembered_for(const ShadowNode* cache, const GraphFingerprint& f) {
-  for (auto& r : g_remembered_eager) {
-    if (r.cache == cache && r.fingerprint == f) {
-      return &r;
-    }
-  }
-  return nullptr;
-}
-
-/// Whether any backward under `cache` is remembered: only then is a
-/// backward's fingerprint worth computing before its walk.
-bool remembers_any(const ShadowNode* cache) {
-  for (const auto& r : g_remembered_eager) {
-    if (r.cache == cache) {
-      return true;
-    }
-  }
-  return false;
-}
-
-/// After a walk that ended at a choice of eager: remember it.
+/// After a walk that ended at a choice of eager: remember it; see [Note:
+/// Eager without the walk] in hit_choice.cpp.
 void remember_eager_entry(BackwardRun& run) {
-  const GraphFingerprint& f = run.fingerprint_now();
-  RememberedEager* r = remembered_for(run.cache, f);
-  if (r == nullptr) {
-    r = &g_remembered_eager[g_next_remembered];
-    g_next_remembered = (g_next_remembered + 1) % g_remembered_eager.size();
-  }
-  *r = RememberedEager{run.cache, f, run.entry, run.generation, 0};
+  remember_eager(run.cache, run.fingerprint_now(), run.entry, run.generation);
 }
 
 /// The backward run on the eager engine without a walk, if its fingerprint
 /// leads to an entry that chose eager; see [Note: Eager without the walk].
 std::optional<variable_list> eager_without_walk(BackwardRun& run) {
-  RememberedEager* r = remembered_for(run.cache, run.fingerprint_now());
-  if (r == nullptr) {
+  if (!serve_remembered_eager(run.cache, run.fingerprint_now(), cache_generation(*run.cache))) {
     return std::nullopt;
   }
-  bool serve = g_eager_if_faster && cache_generation(*run.cache) == r->generation &&
-      ++r->unwalked < kWalkEvery;
-  if (serve) {
-    ShadowNode& entry = *r->entry;
-    HitChoice& choice = entry.choice;
-    serve = entry.may_choose() && choice.next_is_chosen_eager();
-    if (serve) {
-      choice.next(true);  // counts the run; kEager, as checked
-      ++choice.eager_runs;
-      ++g_counters.eager_by_choice;
-      ++g_counters.eager_without_walk;
-    }
-  }
-  if (!serve) {
-    // Walked: remembered again only if the walk ends at a choice of eager.
-    *r = RememberedEager();
-    return std::nullopt;
-  }
+  ++g_counters.eager_by_choice;
+  ++g_counters.eager_without_walk;
   return run_eager(run.root, run.graph_task);
 }
 
@@ -1263,7 +1099,7 @@ variable_list compiled_backward_with_gil(
   }
   // See [Note: The steps of a backward].
   BackwardRun run(root, graph_task, accumulate_grad, output_edges);
-  if (g_eager_if_faster && remembers_any(run.cache)) {
+  if (g_eager_if_faster && remembers_eager_under(run.cache)) {
     // See [Note: Eager without the walk] and [Note: The hook's grad mode].
     if (auto done = eager_without_walk(run)) {
       return std::move(*done);

@@ -1,12 +1,23 @@
 // hit_choice.h — whether a cache entry's hits run its compiled graph or the
-// eager engine, chosen by timing both; see [Note: Eager when it is faster].
+// eager engine, chosen by timing both (HitChoice), and the backwards served
+// eagerly by that choice without a walk (GraphFingerprint); see [Note: Eager
+// when it is faster] and [Note: Eager without the walk] in hit_choice.cpp.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <typeinfo>
 #include <vector>
 
+namespace torch::autograd {
+struct Edge;
+struct GraphTask;
+struct Node;
+} // namespace torch::autograd
+
 namespace ca {
+
+struct ShadowNode;
 
 /*
 [Note: Eager when it is faster]
@@ -26,7 +37,7 @@ serves its hits the faster way:
     Compiled is timed from the start of the walk to the end of finish(),
     eager as the engine's whole run: a backward served eagerly is mostly
     recognised without a walk (see [Note: Eager without the walk] in
-    engine_hook.cpp);
+    hit_choice.cpp);
   - the entry runs compiled from then on only if compiled is faster by
     more than kCompiledMargin, judged by the median of the paired ratios
     (the k-th timed compiled run over the k-th timed eager run, neighbours
@@ -139,5 +150,51 @@ struct HitChoice {
   /// the schedule; the two are equally long and not empty.
   static Decision decide(const std::vector<uint64_t>& compiled_ns, const std::vector<uint64_t>& eager_ns);
 };
+
+
+/// What a backward's GraphTask looks like, cheaply; see [Note: Eager without the walk].
+struct GraphFingerprint {
+  /// typeid of the root node (the loss's grad_fn).
+  const std::type_info* root_type = nullptr;
+  /// graph_task.dependencies_.size(), exec_info_.size(), output edges.
+  std::size_t nodes = 0;
+  std::size_t exec_nodes = 0;
+  std::size_t outputs = 0;
+  /// retain_graph, create_graph, and backward (true) or grad (false).
+  bool keep_graph = false;
+  bool create_graph = false;
+  bool accumulate_grad = false;
+  /// The types, input numbers and input shapes of the next edges of the
+  /// first kFingerprintNodes nodes from the root (breadth first), hashed.
+  std::size_t next_hash = 0;
+
+  bool operator==(const GraphFingerprint& o) const {
+    return root_type == o.root_type && nodes == o.nodes && exec_nodes == o.exec_nodes &&
+        outputs == o.outputs && keep_graph == o.keep_graph && create_graph == o.create_graph &&
+        accumulate_grad == o.accumulate_grad && next_hash == o.next_hash;
+  }
+};
+
+/// The fingerprint of the backward the engine is about to run.
+GraphFingerprint fingerprint_of(
+    const torch::autograd::Node& root,
+    const torch::autograd::GraphTask& graph_task,
+    bool accumulate_grad,
+    const std::vector<torch::autograd::Edge>& output_edges);
+
+/// Whether any backward walked under the cache root `cache` is remembered:
+/// only then is a backward's fingerprint worth computing before its walk.
+bool remembers_eager_under(const ShadowNode* cache);
+
+/// Remembers a backward whose walk ended at `entry` (alive while the cache's
+/// generation is `generation`), which chose eager.
+void remember_eager(const ShadowNode* cache, const GraphFingerprint& f, ShadowNode* entry, uint64_t generation);
+
+/// Whether the backward of fingerprint `f` under `cache` (now at generation
+/// `generation`) runs on the eager engine without a walk: its entry still
+/// chose eager and no timing or walk is due. Then the run is counted at the
+/// entry; otherwise `f` is forgotten until a walk ends at a choice of eager
+/// again.
+bool serve_remembered_eager(const ShadowNode* cache, const GraphFingerprint& f, uint64_t generation);
 
 } // namespace ca
