@@ -158,7 +158,7 @@ def test_a_fallback_is_reported_to_the_backwards_own_runtime_after_enable_exits(
     import threading
     import time
 
-    from ca_runtime._state import STATE
+    from ca_runtime._report.records import RECORDER
 
     started = threading.Event()
 
@@ -191,5 +191,5 @@ def test_a_fallback_is_reported_to_the_backwards_own_runtime_after_enable_exits(
     assert ca_core.installed_runtime() is None
     assert torch.equal(grads[0], torch.full((4,), 3.0))
     assert ca_runtime.stats()["eager_fallbacks"] == 1
-    assert STATE.report_snapshot().num_fallbacks == 1
+    assert RECORDER.snapshot().num_fallbacks == 1
     assert caught and "the compiled graph fails" in caught[0], caught

@@ -21,8 +21,7 @@ from ca_runtime._cache_entry import CacheEntry
 from ca_runtime._report.html import SECTION_IDS, render
 from ca_runtime._report.layout import DrawGraph, DrawNode, dot_version, draw, layers
 from ca_runtime._report.model import ReportData, build_report_data
-from ca_runtime._report.records import Outcome, Stage, miss_category
-from ca_runtime._state import STATE
+from ca_runtime._report.records import RECORDER, Outcome, Stage, miss_category
 
 pytestmark = pytest.mark.filterwarnings("ignore::ca_runtime.GraphBreakWarning")
 
@@ -204,10 +203,10 @@ def test_cache_hits_record_nothing() -> None:
     model = _model()
     with ca_runtime.enable("eager"):
         _step(model, 4, retain=False)
-        before = STATE.report_snapshot()
+        before = RECORDER.snapshot()
         for _ in range(3):
             _step(model, 4, retain=False)
-    after = STATE.report_snapshot()
+    after = RECORDER.snapshot()
     assert ca_runtime.stats()["cache_hits"] == 3
     assert (after.num_captures, after.num_fallbacks, after.seconds) == (
         before.num_captures,
@@ -243,9 +242,9 @@ def test_reset_forgets_records_and_timings() -> None:
 
 
 def test_records_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
-    from ca_runtime import _state
+    from ca_runtime._report import records
 
-    monkeypatch.setattr(_state, "REPORT_LIMIT", 3)
+    monkeypatch.setattr(records, "REPORT_LIMIT", 3)
     ca_runtime.reset()  # a new log, bounded at 3
     with ca_runtime.enable("eager"):
         for n in range(5):  # five distinct graphs: chains of 1..5 muls
@@ -259,7 +258,7 @@ def test_records_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "showing 3 of 5 captures" in render(data, "builtin")
     monkeypatch.undo()
     ca_runtime.reset()
-    assert STATE.report_log.captures.maxlen == _state.REPORT_LIMIT == 200
+    assert RECORDER.log.captures.maxlen == records.REPORT_LIMIT == 200
 
 
 def test_miss_categories_drop_numbers() -> None:

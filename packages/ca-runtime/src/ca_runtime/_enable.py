@@ -43,6 +43,7 @@ from ca_runtime._compiler_key import compiler_key, forget_captures, forget_compi
 from ca_runtime._counters import reset_counters
 from ca_runtime._counters import stats as counter_values
 from ca_runtime._log import warn_at_user_line
+from ca_runtime._report.records import RECORDER
 from ca_runtime._runtime import CompilerFn, Runtime
 from ca_runtime._torch_interop import (
     keep_hook_across_torch_disable,
@@ -312,10 +313,11 @@ def replace_torch() -> Iterator[None]:
 
 
 def reset() -> None:
-    """Empties the shadow-graph cache (of every compiler), zeroes the counters and forgets ``last_graph()``."""
+    """Empties the shadow-graph cache (of every compiler), zeroes the counters, forgets ``last_graph()`` and what ``report()`` would show."""
     ca_core.clear_cache()
     forget_captures()
     reset_counters()
+    RECORDER.reset()
 
 
 def cache_clear_failed() -> None:

@@ -2,7 +2,7 @@
 
 ``build_report_data()`` gathers it from ca_core (counters, timings, the cache
 tree) and from what the runtime recorded on the miss path
-(``STATE.report_log``, see ``records.py``). The HTML renderer (``html.py``)
+(``RECORDER``'s log, see ``records.py``). The HTML renderer (``html.py``)
 only reads a ``ReportData``; ``python -m ca_runtime report --from DATA.json``
 re-renders one read back with ``ReportData.from_json``.
 """
@@ -25,8 +25,8 @@ import torch
 
 from ca_runtime._cache_entry import CacheEntry
 from ca_runtime._counters import stats
+from ca_runtime._report import records
 from ca_runtime._report.records import CaptureRecord, FallbackRecord, Stage
-from ca_runtime._state import REPORT_LIMIT, STATE
 
 __all__ = [
     "FORMAT_VERSION",
@@ -145,7 +145,7 @@ def _versions() -> dict[str, str]:
 
 def build_report_data() -> ReportData:
     """The report of this process: counters, timings, cache tree and the recorded captures."""
-    log = STATE.report_snapshot()
+    log = records.RECORDER.snapshot()
     timings = ca_core.timings()
     return ReportData(
         created=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
@@ -161,5 +161,5 @@ def build_report_data() -> ReportData:
         fallbacks=list(log.fallbacks),
         num_captures=log.num_captures,
         num_fallbacks=log.num_fallbacks,
-        record_limit=log.captures.maxlen or REPORT_LIMIT,
+        record_limit=log.captures.maxlen or records.REPORT_LIMIT,
     )

@@ -3,8 +3,8 @@
 Everything here runs on the miss path only (``Runtime.capture``,
 ``Runtime.run_first``, ``Runtime._fallback``), never on a cache hit. A record
 holds plain strings and numbers, never a tensor, hook or graph: the report must
-not keep a model alive. Records live in ``STATE.report_log`` (bounded: the
-latest ``REPORT_LIMIT`` captures and fallbacks, see ``_state.py``).
+not keep a model alive. Records live in ``RECORDER``'s log (bounded: the
+latest ``REPORT_LIMIT`` captures and fallbacks).
 
 [Note: How a node ran]
 The drawing colours each node of a captured backward by how it ran. The
@@ -31,20 +31,22 @@ import enum
 import re
 import threading
 import time
-from collections.abc import Sequence
+from collections import Counter, deque
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import ca_core
 import torch
 
 from ca_runtime._node_rules import Handling
-from ca_runtime._state import STATE
 
 if TYPE_CHECKING:
     from ca_runtime._capture import Capture
 
 __all__ = [
     "NODE_KINDS",
+    "RECORDER",
+    "REPORT_LIMIT",
     "BreakRecord",
     "CaptureRecord",
     "FallbackRecord",
@@ -52,6 +54,8 @@ __all__ = [
     "LiftedInputs",
     "NodeRecord",
     "Outcome",
+    "Recorder",
+    "ReportLog",
     "Stage",
     "begin_capture",
     "capture_built",
@@ -212,6 +216,90 @@ class FallbackRecord:
     capture_id: int | None = None
 
 
+#: Captures (and fallbacks) ``report()`` shows: the latest ones.
+REPORT_LIMIT = 200
+
+
+class ReportLog:
+    """What ``ca_runtime.report()`` shows, recorded on the miss path.
+
+    The latest ``REPORT_LIMIT`` capture and fallback records, plus totals that
+    count every one since the last reset: seconds per stage and how often each
+    (normalised) break, fallback and miss reason occurred.
+    """
+
+    def __init__(self) -> None:
+        self.captures: deque[CaptureRecord] = deque(maxlen=REPORT_LIMIT)
+        self.fallbacks: deque[FallbackRecord] = deque(maxlen=REPORT_LIMIT)
+        #: Records made since the reset (the deques keep the latest).
+        self.num_captures = 0
+        self.num_fallbacks = 0
+        #: Seconds spent per stage.
+        self.seconds: dict[Stage, float] = {}
+        #: Per kind ("break", "fallback", "miss"): how often each reason occurred.
+        self.reasons: dict[str, Counter[str]] = {}
+
+
+class Recorder:
+    """The report's log of the runtime's events (captures, first runs, fallbacks), under its own lock.
+
+    The runtime tells it what happened through this module's functions
+    (``begin_capture``, ``capture_built``, ``capture_compiled``,
+    ``capture_failed``, ``first_run_done``, ``record_fallback``); ``report()``
+    reads a ``snapshot()``; ``ca_runtime.reset()`` starts a new log.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        #: The current log; replaced whole by reset().
+        self.log = ReportLog()
+
+    def add_capture_record(self, record: CaptureRecord) -> None:
+        """Stores ``record`` (its id is set here); the oldest one goes beyond REPORT_LIMIT."""
+        with self._lock:
+            log = self.log
+            log.num_captures += 1
+            record.id = log.num_captures
+            log.captures.append(record)
+
+    def add_fallback_record(self, record: FallbackRecord) -> None:
+        with self._lock:
+            log = self.log
+            log.num_fallbacks += 1
+            record.id = log.num_fallbacks
+            log.fallbacks.append(record)
+
+    def add_seconds(self, stage: Stage, seconds: float) -> None:
+        with self._lock:
+            seconds_by_stage = self.log.seconds
+            seconds_by_stage[stage] = seconds_by_stage.get(stage, 0.0) + seconds
+
+    def count_reasons(self, kind: str, reasons: Iterable[str]) -> None:
+        with self._lock:
+            self.log.reasons.setdefault(kind, Counter()).update(reasons)
+
+    def snapshot(self) -> ReportLog:
+        """A copy of the log (the records themselves are shared, not copied)."""
+        with self._lock:
+            log = self.log
+            copy = ReportLog()
+            copy.captures = deque(log.captures, maxlen=log.captures.maxlen)
+            copy.fallbacks = deque(log.fallbacks, maxlen=log.fallbacks.maxlen)
+            copy.num_captures, copy.num_fallbacks = log.num_captures, log.num_fallbacks
+            copy.seconds = dict(log.seconds)
+            copy.reasons = {kind: Counter(counts) for kind, counts in log.reasons.items()}
+            return copy
+
+    def reset(self) -> None:
+        """A new, empty log (bounded at the current REPORT_LIMIT)."""
+        with self._lock:
+            self.log = ReportLog()
+
+
+#: The one recorder: what report() shows.
+RECORDER = Recorder()
+
+
 def _now() -> float:
     return time.perf_counter() - _T0
 
@@ -267,8 +355,8 @@ def begin_capture(graph: ca_core.BackwardGraph, compiler: str) -> CaptureRecord:
             num_scalars=graph.num_scalars,
         ),
     )
-    STATE.add_capture_record(record)
-    STATE.count_reasons("miss", [miss_category(graph.miss_node, graph.miss_reason)])
+    RECORDER.add_capture_record(record)
+    RECORDER.count_reasons("miss", [miss_category(graph.miss_node, graph.miss_reason)])
     return record
 
 
@@ -328,15 +416,15 @@ def capture_built(record: CaptureRecord, captured: Capture, seconds: float) -> N
             ran = "" if node.is_leaf else f"the node is {node.kind}; "
             node.kind = "break"
             node.detail = ran + "; ".join(reasons)
-    STATE.add_seconds(Stage.CAPTURE, seconds)
-    STATE.count_reasons("break", (b.reason for b in record.breaks))
+    RECORDER.add_seconds(Stage.CAPTURE, seconds)
+    RECORDER.count_reasons("break", (b.reason for b in record.breaks))
 
 
 def capture_compiled(record: CaptureRecord, seconds: float) -> None:
     """``compiler_fn`` returned a callable after ``seconds``."""
     record.compile_s = seconds
     record.outcome = Outcome.COMPILED
-    STATE.add_seconds(Stage.COMPILE, seconds)
+    RECORDER.add_seconds(Stage.COMPILE, seconds)
 
 
 def capture_failed(record: CaptureRecord, stage: Stage, reason: str, node: int | None = None) -> None:
@@ -382,7 +470,7 @@ def first_run_done(
     and the hooks are described here.
     """
     record.first_run_s = seconds
-    STATE.add_seconds(Stage.FIRST_RUN, seconds)
+    RECORDER.add_seconds(Stage.FIRST_RUN, seconds)
     record.lifted.num_hooks = len(hooks)
     record.lifted.tensors = described_inputs
     record.lifted.scalars = [_safe_repr(s) for s in scalars[:_MAX_LISTED]]
@@ -404,7 +492,7 @@ def record_fallback(compiler: str, where: str, reason: str, capture: CaptureReco
             if node.needed:
                 node.detail = f"planned: {node.kind}" + (f" ({node.detail})" if node.detail else "")
                 node.kind = "eager"
-    STATE.add_fallback_record(
+    RECORDER.add_fallback_record(
         FallbackRecord(0, _now(), compiler, where, reason, None if capture is None else capture.id)
     )
-    STATE.count_reasons("fallback", [f"{where}: {reason}"])
+    RECORDER.count_reasons("fallback", [f"{where}: {reason}"])
