@@ -21,7 +21,7 @@ from ca_runtime._cache_entry import CacheEntry
 from ca_runtime._report.html import SECTION_IDS, render
 from ca_runtime._report.layout import DrawGraph, DrawNode, dot_version, draw, layers
 from ca_runtime._report.model import ReportData, build_report_data
-from ca_runtime._report.records import RECORDER, Outcome, Stage, miss_category
+from ca_runtime._report.records import RECORDER, NodeKind, Outcome, Stage, miss_category
 
 pytestmark = pytest.mark.filterwarnings("ignore::ca_runtime.GraphBreakWarning")
 
@@ -294,6 +294,7 @@ def test_json_round_trip() -> None:
     data = _recorded_run()
     again = ReportData.from_json(json.loads(json.dumps(data.to_json())))
     assert again == data
+    assert all(type(node.kind) is NodeKind for capture in again.captures for node in capture.nodes)
     with pytest.raises(ValueError, match="format version"):
         ReportData.from_json({**data.to_json(), "format_version": 99})
 

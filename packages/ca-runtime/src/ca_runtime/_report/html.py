@@ -22,7 +22,7 @@ from collections.abc import Iterable, Sequence
 from ca_runtime._cache_entry import CacheEntry, ServedBy
 from ca_runtime._report.layout import DrawGraph, DrawNode, dot_version, draw
 from ca_runtime._report.model import ReportData
-from ca_runtime._report.records import NODE_KINDS, CaptureRecord, NodeRecord, Outcome, Stage
+from ca_runtime._report.records import CaptureRecord, NodeKind, NodeRecord, Outcome, Stage
 
 __all__ = ["KIND_COLOURS", "SECTION_IDS", "render"]
 
@@ -34,15 +34,15 @@ SECTION_IDS: dict[str, str] = {
     "misses": "Timeline of misses",
     "breaks": "Graph breaks and fallbacks",
 }
-#: Fill per NODE_KINDS entry.
-KIND_COLOURS: dict[str, str] = {
-    "traced": "#cdeccd",
-    "aot": "#b7e3dc",
-    "function": "#cfe0f8",
-    "break": "#fbcb9f",
-    "eager": "#f5b5b5",
-    "leaf": "#fff1a8",
-    "unused": "#ffffff",
+#: Fill per node kind.
+KIND_COLOURS: dict[NodeKind, str] = {
+    NodeKind.TRACED: "#cdeccd",
+    NodeKind.AOT: "#b7e3dc",
+    NodeKind.FUNCTION: "#cfe0f8",
+    NodeKind.BREAK: "#fbcb9f",
+    NodeKind.EAGER: "#f5b5b5",
+    NodeKind.LEAF: "#fff1a8",
+    NodeKind.UNUSED: "#ffffff",
 }
 HOOK_STROKE = "#7b3fbf"
 FAILED_STROKE = "#d00000"
@@ -269,7 +269,7 @@ def _node_title(node: NodeRecord, capture: CaptureRecord) -> str:
         f"{node.name} (node {node.index} of {len(capture.nodes)} in the walk)",
         f"type: {node.type_name}",
         f"sequence_nr: {node.sequence_nr}",
-        f"{node.kind}: {NODE_KINDS.get(node.kind, '')}",
+        f"{node.kind}: {node.kind.description}",
     ]
     if node.detail:
         lines.append(node.detail)
@@ -297,10 +297,10 @@ def _draw_graph(capture: CaptureRecord) -> DrawGraph:
                 element_id=f"{_ID_PREFIX}-n{node.index}",
                 lines=(_short(node.name), " · ".join(tags)),
                 title=_node_title(node, capture),
-                fill=KIND_COLOURS.get(node.kind, "#ffffff"),
+                fill=KIND_COLOURS[node.kind],
                 stroke=stroke,
                 stroke_width=width,
-                dashed=node.kind == "unused" or node.index == capture.miss_node,
+                dashed=node.kind is NodeKind.UNUSED or node.index == capture.miss_node,
             )
         )
     edges = tuple(
@@ -315,8 +315,8 @@ def _draw_graph(capture: CaptureRecord) -> DrawGraph:
 def _legend() -> str:
     items = "".join(
         f'<span class="swatch" style="background:{KIND_COLOURS[kind]}"></span>{e(kind)}'
-        f'<span class="legend-help"> — {e(help_)}</span><br>'
-        for kind, help_ in NODE_KINDS.items()
+        f'<span class="legend-help"> — {e(kind.description)}</span><br>'
+        for kind in NodeKind
     )
     return (
         f'<div class="legend">{items}'
@@ -422,8 +422,7 @@ def _node_table(capture: CaptureRecord) -> str:
                 f"<code>{e(node.name)}</code>",
                 f"<code>{e(node.type_name)}</code>",
                 str(node.sequence_nr),
-                f'<span class="swatch" style="background:{KIND_COLOURS.get(node.kind, "#fff")}"></span>'
-                + e(node.kind),
+                f'<span class="swatch" style="background:{KIND_COLOURS[node.kind]}"></span>' + e(node.kind),
                 e(node.detail),
                 hooks,
             )

@@ -44,7 +44,6 @@ if TYPE_CHECKING:
     from ca_runtime._capture import Capture
 
 __all__ = [
-    "NODE_KINDS",
     "RECORDER",
     "REPORT_LIMIT",
     "BreakRecord",
@@ -52,6 +51,7 @@ __all__ = [
     "FallbackRecord",
     "HookRecord",
     "LiftedInputs",
+    "NodeKind",
     "NodeRecord",
     "Outcome",
     "Recorder",
@@ -67,15 +67,33 @@ __all__ = [
     "record_fallback",
 ]
 
+
 #: How a node ran, in the legend's order; see [Note: How a node ran].
-NODE_KINDS: dict[str, str] = {
-    "traced": "traced into the compiled graph (apply_node)",
-    "aot": "a torch.compile'd region's backward, copied into the graph",
-    "function": "a Python autograd.Function's backward, traced from the graph",
-    "break": "runs eagerly behind a graph break",
-    "eager": "ran on the eager engine (the backward fell back)",
-    "leaf": "AccumulateGrad: a leaf's grad",
-    "unused": "not needed by this backward",
+class NodeKind(enum.StrEnum):
+    """How a node of a captured backward ran; see [Note: How a node ran]."""
+
+    TRACED = "traced"
+    AOT = "aot"
+    FUNCTION = "function"
+    BREAK = "break"
+    EAGER = "eager"
+    LEAF = "leaf"
+    UNUSED = "unused"
+
+    @property
+    def description(self) -> str:
+        """In the report's legend."""
+        return _NODE_KIND_DESCRIPTIONS[self]
+
+
+_NODE_KIND_DESCRIPTIONS = {
+    NodeKind.TRACED: "traced into the compiled graph (apply_node)",
+    NodeKind.AOT: "a torch.compile'd region's backward, copied into the graph",
+    NodeKind.FUNCTION: "a Python autograd.Function's backward, traced from the graph",
+    NodeKind.BREAK: "runs eagerly behind a graph break",
+    NodeKind.EAGER: "ran on the eager engine (the backward fell back)",
+    NodeKind.LEAF: "AccumulateGrad: a leaf's grad",
+    NodeKind.UNUSED: "not needed by this backward",
 }
 
 #: Seconds are counted from here (the import of ca_runtime).
@@ -108,8 +126,8 @@ class NodeRecord:
     #: Walk indices of the nodes its output grads flow to.
     edges: list[int]
     hooks: list[HookRecord] = dataclasses.field(default_factory=list)
-    #: One of NODE_KINDS; see [Note: How a node ran].
-    kind: str = "traced"
+    #: How it ran; see [Note: How a node ran].
+    kind: NodeKind = NodeKind.TRACED
     #: How it ran, in words (a break's reason, where a leaf was accumulated).
     detail: str = ""
 
@@ -334,7 +352,11 @@ def begin_capture(graph: ca_core.BackwardGraph, compiler: str) -> CaptureRecord:
             is_leaf=node.is_accumulate_grad,
             edges=[edge[0] for edge in node.next_edges if edge is not None],
             hooks=_hooks_of(node),
-            kind="unused" if not node.needed else "leaf" if node.is_accumulate_grad else "traced",
+            kind=NodeKind.UNUSED
+            if not node.needed
+            else NodeKind.LEAF
+            if node.is_accumulate_grad
+            else NodeKind.TRACED,
         )
         for node in graph.nodes
     ]
@@ -384,11 +406,11 @@ def miss_category(miss_node: int | None, miss_reason: str) -> str:
 
 
 #: How a node ran in the report, by how the capture took it.
-_KIND_OF_HANDLING: dict[Handling, str] = {
-    Handling.TRACE: "traced",
-    Handling.FUNCTION: "function",
-    Handling.AOT: "aot",
-    Handling.BREAK: "break",
+_KIND_OF_HANDLING: dict[Handling, NodeKind] = {
+    Handling.TRACE: NodeKind.TRACED,
+    Handling.FUNCTION: NodeKind.FUNCTION,
+    Handling.AOT: NodeKind.AOT,
+    Handling.BREAK: NodeKind.BREAK,
 }
 
 
@@ -414,7 +436,7 @@ def capture_built(record: CaptureRecord, captured: Capture, seconds: float) -> N
             node.kind = _KIND_OF_HANDLING.get(captured.handlings[node.index], node.kind)
         if reasons:
             ran = "" if node.is_leaf else f"the node is {node.kind}; "
-            node.kind = "break"
+            node.kind = NodeKind.BREAK
             node.detail = ran + "; ".join(reasons)
     RECORDER.add_seconds(Stage.CAPTURE, seconds)
     RECORDER.count_reasons("break", (b.reason for b in record.breaks))
@@ -491,7 +513,7 @@ def record_fallback(compiler: str, where: str, reason: str, capture: CaptureReco
         for node in capture.nodes:
             if node.needed:
                 node.detail = f"planned: {node.kind}" + (f" ({node.detail})" if node.detail else "")
-                node.kind = "eager"
+                node.kind = NodeKind.EAGER
     RECORDER.add_fallback_record(
         FallbackRecord(0, _now(), compiler, where, reason, None if capture is None else capture.id)
     )
