@@ -347,6 +347,14 @@ BackwardStatePtr walk_graph(
 /// a saved output); see [Note: Aliases of a saved output] (graph_walk.cpp).
 bool same_tensor_view(const at::Tensor& a, const at::Tensor& b);
 
+/// `t`, or real zeros of its shape where it is an efficient ZeroTensor that
+/// does not require grad; see [Note: ZeroTensors kept out of compiled graphs]
+/// (node_apply.cpp).
+at::Tensor materialized_zeros(const at::Tensor& t);
+
+/// materialized_zeros() on each of `tensors`, in place.
+void materialize_zero_tensors(variable_list& tensors);
+
 /// Demangled C++ type of a node ("torch::autograd::generated::MulBackward0").
 std::string node_type_name(const Node& node);
 

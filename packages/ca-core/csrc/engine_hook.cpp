@@ -257,7 +257,9 @@ GraphArgs lift_args(const BackwardState& state) {
     PyList_SET_ITEM(
         args.tensors.ptr(),
         static_cast<Py_ssize_t>(i),
-        check_py(wrap_tensor(detach_non_leaves && !t.is_leaf() ? t.detach() : t)));
+        // See [Note: ZeroTensors kept out of compiled graphs] (node_apply.cpp).
+        check_py(wrap_tensor(
+            materialized_zeros(detach_non_leaves && !t.is_leaf() ? t.detach() : t))));
   }
   for (const auto& ns : state.nodes) {
     if (!ns.collected) {

@@ -447,9 +447,53 @@ void release_after_real_run(NodeState& ns) {
   }
 }
 
+/*
+[Note: ZeroTensors kept out of compiled graphs]
+Some derivative formulas return an efficient ZeroTensor (at::_efficientzerotensor:
+sgn's, abs's second derivative, linear algebra's), a tensor with the ZeroTensor
+dispatch key, its shape and no storage (a null data pointer). Eager's kernels
+dispatch on the key and never read it. Inductor lowers _efficientzerotensor to
+a fallback that returns one, and its generated kernels read their inputs
+through the data pointer: a ZeroTensor that a node returns inside a compiled
+graph, one that crosses a graph break into a resumed graph, or a saved
+ZeroTensor lifted as a graph input (a grad from autograd.grad kept and used in
+a later forward) made Inductor's code read address 0 (a segfault, found by the
+fuzzer: a double backward with save_on_cpu). So every node's output grads
+(apply_node_values, traced or eager) and every lifted tensor (lift_args) that
+is a ZeroTensor become real zeros of the same shape, strides and options:
+the same values, which every consumer reads the same way. When traced, the
+check sees the fake tensor's key and the zeros are traced as at::zeros, which
+Inductor computes. An op on a ZeroTensor often returns one (`zt * y` does),
+so a saved non-leaf may be one that requires grad: where autograd records (a
+create_graph backward) the zeros are added to it, keeping its place in the
+graph. A leaf ZeroTensor that requires grad (only made by hand) stays as it
+is: its identity is what accumulates.
+*/
+} // namespace
+
+at::Tensor materialized_zeros(const at::Tensor& t) {
+  if (!t.defined() || !t._is_zerotensor() || (t.requires_grad() && t.is_leaf())) {
+    return t;
+  }
+  at::Tensor zeros = at::empty_strided(t.sizes(), t.strides(), t.options()).zero_();
+  // Added to `t` where autograd records: the zeros keep its place in the graph.
+  return t.requires_grad() && c10::GradMode::is_enabled() ? zeros.add(t) : zeros;
+}
+
+void materialize_zero_tensors(variable_list& tensors) {
+  for (auto& t : tensors) {
+    if (t.defined() && t._is_zerotensor()) {
+      t = materialized_zeros(t);
+    }
+  }
+}
+
+namespace {
+
 /// apply_with_saved on the node `ns` of the running backward (its eager fast
-/// path or the swap of the values given).
-variable_list apply_node_values(
+/// path or the swap of the values given), without ZeroTensors; see
+/// [Note: ZeroTensors kept out of compiled graphs].
+variable_list apply_node_values_as_given(
     NodeState& ns,
     variable_list grads,
     const variable_list& tensors,
@@ -482,6 +526,18 @@ variable_list apply_node_values(
       tensors,
       saved_scalars,
       unpack_sizes(saved_sizes, ns.num_apply_sizes, "apply_with_saved"));
+}
+
+variable_list apply_node_values(
+    NodeState& ns,
+    variable_list grads,
+    const variable_list& tensors,
+    nb::handle saved_sizes,
+    nb::handle saved_scalars) {
+  variable_list outputs =
+      apply_node_values_as_given(ns, std::move(grads), tensors, saved_sizes, saved_scalars);
+  materialize_zero_tensors(outputs);
+  return outputs;
 }
 
 variable_list apply_node_with_saved(
