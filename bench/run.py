@@ -124,9 +124,9 @@ def implementation(impl: str, compiler: Compiler | None) -> Iterator[None]:
             yield
 
 
-def ours_served_by() -> list[str]:
-    """How ours' cache entries with a graph run (``CacheEntry.served_by``), each way once."""
-    return sorted({e.served_by for e in ca_runtime.cache_info() if e.served_by})
+def ours_eager_if_faster_choice() -> list[str]:
+    """How ours' cache entries with a graph run (``CacheEntry.eager_if_faster_choice``), each way once."""
+    return sorted({e.eager_if_faster_choice for e in ca_runtime.cache_info() if e.eager_if_faster_choice})
 
 
 def _graph_nodes(loss: torch.Tensor) -> int:
@@ -678,7 +678,7 @@ def measure(work: Workload, iters: int, warmup: int = 3) -> dict[str, Any]:
     for impl in IMPLS:
         for _ in range(max(warmup, CHOICE_RUNS) if impl == "ours" else warmup):
             time_backward(work, impl)
-    row["ours_served_by"] = ours_served_by()
+    row["ours_eager_if_faster_choice"] = ours_eager_if_faster_choice()
     # Ours' rounds, then torch's: see ROUNDS.
     by_round: list[dict[str, list[float]]] = [{impl: [] for impl in r} for r in ROUNDS]
     for round_impls, round_times in zip(ROUNDS, by_round, strict=True):
@@ -769,7 +769,7 @@ def memory_peaks(compiler_name: str = "aot_eager") -> dict[str, Any]:
                     tensor_peak, tensor_end = backward_tensor_peak_bytes(work, i, impl)
                     row["ours-chosen"] = {
                         "tensor": {"peak_bytes": tensor_peak, "end_bytes": tensor_end},
-                        "served_by": ours_served_by(),
+                        "eager_if_faster_choice": ours_eager_if_faster_choice(),
                     }
                     continue
                 loss = work.forward(i)
@@ -801,7 +801,7 @@ def memory_markdown(r: dict[str, Any], compiler_name: str = "aot_eager") -> str:
             + (f" ({row[impl]['rss']['peak_bytes'] / 2**20:.2f})" if "rss" in row[impl] else "")
             for impl in impls
         ]
-        chosen = ",".join(row["ours-chosen"]["served_by"])
+        chosen = ",".join(row["ours-chosen"]["eager_if_faster_choice"])
         lines.append(
             f"| {name} | {' | '.join(cells)} | {tensor['ours'] / tensor['eager']:.2f} | "
             f"{tensor['ours-chosen'] / tensor['eager']:.2f} ({chosen}) |"
@@ -887,8 +887,8 @@ def per_node_fresh(rounds: int) -> dict[str, Any]:
     counts = ca_runtime.stats()
     out: dict[str, Any] = {
         "rounds": rounds,
-        **{k: counts[k] for k in ("captures", "cache_hits", "eager_fallbacks", "eager_by_choice")},
-        "ours_served_by": ours_served_by(),
+        **{k: counts[k] for k in ("captures", "cache_hits", "eager_fallbacks", "eager_if_faster_runs")},
+        "ours_eager_if_faster_choice": ours_eager_if_faster_choice(),
     }
     for name, stat in stats.items():
         slope = {
@@ -928,8 +928,8 @@ def per_node_markdown(r: dict[str, Any]) -> str:
         "",
         (
             f"Ours: {r['captures']} captures, {r['cache_hits']} cache hits, {r['eager_fallbacks']} eager fallbacks, "
-            f"{r['eager_by_choice']} backwards on the eager engine by choice; ours (default) runs "
-            f"{' and '.join(r['ours_served_by']) or '-'}."
+            f"{r['eager_if_faster_runs']} backwards on the eager engine by choice; ours (default) runs "
+            f"{' and '.join(r['ours_eager_if_faster_choice']) or '-'}."
         ),
     ]
     return "\n".join(lines) + "\n"
@@ -977,7 +977,7 @@ def models_markdown(rows: list[dict[str, Any]], per_node: dict[str, Any]) -> str
         lines.append(
             f"| {r['workload']} | {r['backend']} | {r['nodes']} | {m['eager'] * 1e3:.3f} | {m['torch'] * 1e3:.3f} | "
             f"{m['ours'] * 1e3:.3f} | {r['ours_over_eager']:.2f} | {_interval(r['ours_over_eager_paired'])} | "
-            f"{_interval(r['eager_again_over_eager_paired'])} | {r['ours_over_torch']:.2f} | {' and '.join(r.get('ours_served_by', [])) or '-'} | "
+            f"{_interval(r['eager_again_over_eager_paired'])} | {r['ours_over_torch']:.2f} | {' and '.join(r.get('ours_eager_if_faster_choice', [])) or '-'} | "
             f"{m['ours-compiled'] * 1e3:.3f} ({r['ours_compiled_over_eager']:.2f}) | "
             f"{_interval(r['ours_compiled_over_eager_paired'])} | "
             f"{r['first_s']['torch']:.2f} / {r['first_s']['ours']:.2f} / {'-' if bg is None else f'{bg:.2f}'} | "
@@ -1095,9 +1095,11 @@ def small_op_rows(iters: int, warmup: int = 3) -> list[dict[str, Any]]:
             "over_eager": {
                 i: paired_ratio(t, ours_rounds["eager"]) for i, t in ours_rounds.items() if i != "eager"
             },
-            "ours_served_by": ours_served_by(),
+            "ours_eager_if_faster_choice": ours_eager_if_faster_choice(),
             "walk_us_per_node": walk_ns / max(timed, 1) / 1e3 / work.nodes,
-            "hits": {k: after[k] - before[k] for k in ("cache_hits", "eager_by_choice", "eager_fallbacks")},
+            "hits": {
+                k: after[k] - before[k] for k in ("cache_hits", "eager_if_faster_runs", "eager_fallbacks")
+            },
         }
         row["over_eager"]["torch"] = paired_ratio(torch_rounds["torch"], torch_rounds["eager"])
         if "tc" in ours_rounds:
@@ -1124,7 +1126,7 @@ def small_ops_markdown(rows: list[dict[str, Any]]) -> str:
         lines.append(
             f"| {r['workload']} | {r['nodes']} | {r['median_s']['eager'] * 1e3:.2f} | {tc} "
             f"| {_interval(ratio['torch'])} | {_interval(ratio['ours-compiled'])} | {vs_tc} "
-            f"| {_interval(ratio['ours'])} ({', '.join(r['ours_served_by']) or '-'}) "
+            f"| {_interval(ratio['ours'])} ({', '.join(r['ours_eager_if_faster_choice']) or '-'}) "
             f"| {r['walk_us_per_node']:.2f} | {r['kernel_floor']:.2f} |"
         )
     return "\n".join(lines) + "\n"

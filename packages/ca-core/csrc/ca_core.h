@@ -19,7 +19,7 @@
 #include <utility>
 #include <vector>
 
-#include "hit_choice.h"
+#include "eager_if_faster.h"
 #include "torch_private.h" // getPyInterpreter(); see its list of private uses
 
 namespace ca {
@@ -271,8 +271,8 @@ struct ShadowNode {
   /// saved tensors].
   std::vector<bool> ran_for_real;
   /// Whether its hits run compiled or on the eager engine, and the timings
-  /// that chose; see [Note: Eager when it is faster].
-  HitChoice choice;
+  /// that chose; see [Note: Eager if faster].
+  EagerIfFaster eager_if_faster;
 
   /// What the node whose key leads here looked like; see [Note: Explained misses].
   std::unique_ptr<NodeSummary> summary;
@@ -280,12 +280,12 @@ struct ShadowNode {
   /// backward goes eager at once, without a new warning.
   std::vector<std::type_index> walk_failures;
 
-  /// An entry whose hits HitChoice may serve either way: its capture allowed
+  /// An entry whose hits EagerIfFaster may serve either way: its capture allowed
   /// eager runs and its graph has run once, is not failed and is not still
-  /// compiling; see [Note: Eager when it is faster] and [Note: Eager without
+  /// compiling; see [Note: Eager if faster] and [Note: Eager without
   /// the walk].
   bool may_choose() const {
-    return choice.eligible && !failed && !first_run && !compiling.is_valid() && compiled_fn.is_valid();
+    return eager_if_faster.eligible && !failed && !first_run && !compiling.is_valid() && compiled_fn.is_valid();
   }
   /// The child for `key`, created (with `created` set) if new.
   ShadowNode* lookup(const CacheKey& key, bool& created);

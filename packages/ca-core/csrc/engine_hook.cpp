@@ -101,9 +101,9 @@ struct Counters {
   std::atomic<uint64_t> cache_hits{0};
   std::atomic<uint64_t> eager_fallbacks{0};
   std::atomic<uint64_t> eager_while_compiling{0};
-  std::atomic<uint64_t> eager_by_choice{0};
-  /// Of eager_by_choice: served without a walk; see [Note: Eager without the walk].
-  std::atomic<uint64_t> eager_without_walk{0};
+  std::atomic<uint64_t> eager_if_faster_runs{0};
+  /// Of eager_if_faster_runs: served without a walk; see [Note: Eager without the walk].
+  std::atomic<uint64_t> eager_if_faster_without_walk{0};
   std::atomic<uint64_t> nodes_put_back{0};
 };
 Counters g_counters;
@@ -124,8 +124,8 @@ constexpr CounterField kCounterFields[] = {
     {"cache_hits", &Counters::cache_hits},
     {"eager_fallbacks", &Counters::eager_fallbacks},
     {"eager_while_compiling", &Counters::eager_while_compiling},
-    {"eager_by_choice", &Counters::eager_by_choice},
-    {"eager_without_walk", &Counters::eager_without_walk},
+    {"eager_if_faster_runs", &Counters::eager_if_faster_runs},
+    {"eager_if_faster_without_walk", &Counters::eager_if_faster_without_walk},
     {"nodes_put_back", &Counters::nodes_put_back},
 };
 static_assert(
@@ -137,7 +137,7 @@ PyObject* g_runtime = nullptr;
 /// The cache root of the installed runtime's compiler; see [Note: One cache per compiler].
 ShadowNode* g_cache = nullptr;
 /// The installed runtime's `eager_if_faster`: entries may choose the eager
-/// engine; see [Note: Eager when it is faster].
+/// engine; see [Note: Eager if faster].
 bool g_eager_if_faster = false;
 
 /// Depth of our hook on this thread; > 0 means a backward inside a backward.
@@ -347,8 +347,8 @@ struct Captured {
   /// See [Note: Saved tensors freed early].
   std::vector<uint32_t> free_early;
   /// Its hits may be served by the eager engine if that is faster; see
-  /// [Note: Eager when it is faster].
-  bool may_run_eagerly = false;
+  /// [Note: Eager if faster].
+  bool eager_if_faster_allowed = false;
 };
 
 /// The CapturedGraph capture() returns, or nullopt for None.
@@ -480,7 +480,7 @@ struct BackwardRun {
   /// The graph has not completed a run yet (lazy compilers compile now).
   bool first_run = false;
   /// Set when this compiled run is timed for the entry's choice: when its
-  /// timing began; see [Note: Eager when it is faster].
+  /// timing began; see [Note: Eager if faster].
   std::optional<std::chrono::steady_clock::time_point> timed_since;
   /// When the walk began: a timed compiled run includes it; see [Note: Eager
   /// without the walk].
@@ -515,7 +515,7 @@ struct BackwardRun {
 The walk's state holds every saved tensor it lifted (the per-node
 collected->tensor_args and lifted_tensors). When lookup() sends a walked
 backward to the eager engine (a failed entry, a graph still compiling, or
-the eager engine chosen, see [Note: Eager when it is faster]), the state is
+the eager engine chosen, see [Note: Eager if faster]), the state is
 recycled first: otherwise eager's release of each node's saved tensors
 frees nothing until the backward ends, the allocator takes fresh pages for
 the grads meanwhile, and the backward's peak memory is that of a graph
@@ -613,32 +613,32 @@ or a fallback. The first yes drops the callable, and from then on the entry
 is served as any other: the hot path pays one null check.
 */
 
-/// Tells the runtime which way an entry chose (optional report_choice);
+/// Tells the runtime which way an entry chose (optional report_eager_if_faster);
 /// the backward has run, so an error there is only printed.
-void report_choice(const ShadowNode& entry) {
+void report_eager_if_faster(const ShadowNode& entry) {
   if (g_runtime == nullptr) {
     return;
   }
   try {
     // The runtime installed now: the run's own may have been uninstalled
     // while the eager engine ran without the GIL.
-    nb::object report = nb::getattr(nb::handle(g_runtime), "report_choice", nb::none());
+    nb::object report = nb::getattr(nb::handle(g_runtime), "report_eager_if_faster", nb::none());
     if (!report.is_none()) {
-      const HitChoice& c = entry.choice;
+      const EagerIfFaster& c = entry.eager_if_faster;
       report(entry.id, c.eager, static_cast<double>(c.compiled_median_ns) * 1e-9,
              static_cast<double>(c.eager_median_ns) * 1e-9, c.compiled_over_eager);
     }
   } catch (nb::python_error& e) {
-    e.discard_as_unraisable("ca_core: report_choice");
+    e.discard_as_unraisable("ca_core: report_eager_if_faster");
   }
 }
 
 /// Adds one timed run to the choice of `run`'s entry, if it still exists.
-void record_choice(const BackwardRun& run, bool eager_run, std::chrono::steady_clock::time_point since) {
+void record_eager_if_faster(const BackwardRun& run, bool eager_run, std::chrono::steady_clock::time_point since) {
   const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
       std::chrono::steady_clock::now() - since);
-  if (run.entry_alive() && run.entry->choice.record(eager_run, static_cast<uint64_t>(ns.count()))) {
-    report_choice(*run.entry);
+  if (run.entry_alive() && run.entry->eager_if_faster.record(eager_run, static_cast<uint64_t>(ns.count()))) {
+    report_eager_if_faster(*run.entry);
   }
 }
 
@@ -659,29 +659,29 @@ bool walked_sizes_match(const ShadowNode& entry, const BackwardState& state) {
 }
 
 /// After a walk that ended at a choice of eager: remember it; see [Note:
-/// Eager without the walk] in hit_choice.cpp.
+/// Eager without the walk] in eager_if_faster.cpp.
 void remember_eager_entry(BackwardRun& run) {
   remember_eager(run.cache, run.fingerprint_now(), run.entry, run.generation);
 }
 
 /// The backward run on the eager engine without a walk, if its fingerprint
 /// leads to an entry that chose eager; see [Note: Eager without the walk].
-std::optional<variable_list> eager_without_walk(BackwardRun& run) {
+std::optional<variable_list> eager_if_faster_without_walk(BackwardRun& run) {
   if (!serve_remembered_eager(run.cache, run.fingerprint_now(), cache_generation(*run.cache))) {
     return std::nullopt;
   }
-  ++g_counters.eager_by_choice;
-  ++g_counters.eager_without_walk;
+  ++g_counters.eager_if_faster_runs;
+  ++g_counters.eager_if_faster_without_walk;
   return run_eager(run.root, run.graph_task);
 }
 
 /// The entry's choice for this backward: its outputs when it ran on the
-/// eager engine; see [Note: Eager when it is faster].
-std::optional<variable_list> serve_by_choice(BackwardRun& run) {
-  HitChoice& choice = run.entry->choice;
+/// eager engine; see [Note: Eager if faster].
+std::optional<variable_list> serve_eager_if_faster(BackwardRun& run) {
+  EagerIfFaster& choice = run.entry->eager_if_faster;
   const bool plain = !run.state->keep_graph && !run.state->create_graph;
-  const HitChoice::Serve serve = choice.next(plain);
-  if (serve == HitChoice::Serve::kCompiled) {
+  const EagerIfFaster::Serve serve = choice.next(plain);
+  if (serve == EagerIfFaster::Serve::kCompiled) {
     return std::nullopt;
   }
   // Sizes the graph was not captured for are a miss (a capture, sizes made
@@ -689,13 +689,13 @@ std::optional<variable_list> serve_by_choice(BackwardRun& run) {
   if (!walked_sizes_match(*run.entry, *run.state)) {
     return std::nullopt;
   }
-  if (serve == HitChoice::Serve::kTimeCompiled) {
+  if (serve == EagerIfFaster::Serve::kTimeCompiled) {
     run.timed_since = run.walk_started;
     return std::nullopt;
   }
   ++choice.eager_runs;
-  ++g_counters.eager_by_choice;
-  if (serve == HitChoice::Serve::kEager) {
+  ++g_counters.eager_if_faster_runs;
+  if (serve == EagerIfFaster::Serve::kEager) {
     remember_eager_entry(run);
     return run.eager_after_walk();
   }
@@ -704,7 +704,7 @@ std::optional<variable_list> serve_by_choice(BackwardRun& run) {
   run.state.reset();
   const auto since = std::chrono::steady_clock::now();
   variable_list outputs = run_eager(run.root, run.graph_task);
-  record_choice(run, true, since);
+  record_eager_if_faster(run, true, since);
   return outputs;
 }
 
@@ -725,7 +725,7 @@ std::optional<variable_list> lookup(BackwardRun& run) {
     release_later(entry.compiling);
   }
   if (g_eager_if_faster && entry.may_choose()) {
-    if (auto done = serve_by_choice(run)) {
+    if (auto done = serve_eager_if_faster(run)) {
       return done;
     }
   }
@@ -750,7 +750,7 @@ std::optional<variable_list> lookup(BackwardRun& run) {
 }
 
 /// Whether every tensor the graph lifts is on the CPU, so that a CPU clock
-/// times its work; see [Note: Eager when it is faster] in hit_choice.h.
+/// times its work; see [Note: Eager if faster] in eager_if_faster.h.
 bool lifts_only_cpu_tensors(const BackwardState& state) {
   for (const at::Tensor& t : state.lifted_tensors) {
     if (t.defined() && !t.device().is_cpu()) {
@@ -823,7 +823,7 @@ bool capture(BackwardRun& run) {
     entry.leaf_hooks_only = run.leaf_hooks_only;
     entry.free_early = std::move(captured->free_early);
     entry.ran_for_real.clear();
-    entry.choice.reset(captured->may_run_eagerly && lifts_only_cpu_tensors(state));
+    entry.eager_if_faster.reset(captured->eager_if_faster_allowed && lifts_only_cpu_tensors(state));
     entry.expected_sizes = run.args.size_values;
     entry.dynamic_sizes = state.dynamic_sizes;
     entry.tensor_shapes = tensor_shapes(state);
@@ -1103,7 +1103,7 @@ variable_list compiled_backward_with_gil(
   BackwardRun run(root, graph_task, accumulate_grad, output_edges);
   if (g_eager_if_faster && remembers_eager_under(run.cache)) {
     // See [Note: Eager without the walk] and [Note: The hook's grad mode].
-    if (auto done = eager_without_walk(run)) {
+    if (auto done = eager_if_faster_without_walk(run)) {
       return std::move(*done);
     }
   }
@@ -1135,8 +1135,8 @@ variable_list compiled_backward_with_gil(
   }
   variable_list outputs = finish(run, std::move(result));
   if (C10_UNLIKELY(run.timed_since.has_value())) {
-    // See [Note: Eager when it is faster].
-    record_choice(run, false, *run.timed_since);
+    // See [Note: Eager if faster].
+    record_eager_if_faster(run, false, *run.timed_since);
   }
   return outputs;
 }
@@ -1211,20 +1211,20 @@ void register_engine_hook(nb::module_& m) {
              std::vector<uint32_t> leaf_outputs,
              std::vector<bool> leaf_hooks_only,
              std::vector<uint32_t> free_early,
-             bool may_run_eagerly) {
+             bool eager_if_faster_allowed) {
             new (self) Captured{
                 std::move(compiled),
                 std::move(leaf_outputs),
                 std::move(leaf_hooks_only),
                 std::move(free_early),
-                may_run_eagerly};
+                eager_if_faster_allowed};
           },
           nb::kw_only(),
           nb::arg("compiled"),
           nb::arg("leaf_outputs"),
           nb::arg("leaf_hooks_only") = std::vector<bool>(),
           nb::arg("free_early") = std::vector<uint32_t>(),
-          nb::arg("may_run_eagerly") = false)
+          nb::arg("eager_if_faster_allowed") = false)
       .def_ro("compiled", &Captured::compiled, "The compiled callable (graph inputs -> outputs).")
       .def_ro(
           "leaf_outputs",
@@ -1240,8 +1240,8 @@ void register_engine_hook(nb::module_& m) {
           "The nodes whose saved tensors may be dropped before a cache hit runs; see [Note: Saved "
           "tensors freed early].")
       .def_ro(
-          "may_run_eagerly",
-          &Captured::may_run_eagerly,
+          "eager_if_faster_allowed",
+          &Captured::eager_if_faster_allowed,
           "Whether its hits may run on the eager engine where that measures faster.");
   m.def(
       "install_engine_hook",
@@ -1257,7 +1257,7 @@ void register_engine_hook(nb::module_& m) {
         PyObject* prior = g_runtime;
         g_runtime = runtime.inc_ref().ptr();
         g_cache = &cache_root(compiler_key);
-        // See [Note: Eager when it is faster]; optional, off without it.
+        // See [Note: Eager if faster]; optional, off without it.
         g_eager_if_faster = nb::cast<bool>(nb::getattr(runtime, "eager_if_faster", nb::bool_(false)));
         Py_XDECREF(prior);
         Engine::set_compiled_autograd(&compiled_backward);
@@ -1318,8 +1318,8 @@ void register_engine_hook(nb::module_& m) {
         return d;
       },
       "captures, cache_hits, eager_fallbacks, eager_while_compiling, "
-      "eager_by_choice (see [Note: Eager when it is faster]), "
-      "eager_without_walk (those of eager_by_choice served without a walk, see "
+      "eager_if_faster_runs (see [Note: Eager if faster]), "
+      "eager_if_faster_without_walk (those of eager_if_faster_runs served without a walk, see "
       "[Note: Eager without the walk]) and "
       "nodes_put_back (see [Note: Freed saved tensors put back]) since the "
       "last reset_counters().");

@@ -277,7 +277,7 @@ void ShadowNode::clear() {
   first_run = true;
   release_later(compiling);
   hits = 0;
-  choice.reset(false);
+  eager_if_faster.reset(false);
   leaf_outputs.clear();
   leaf_hooks_only.clear();
   summary.reset();
@@ -531,7 +531,7 @@ namespace {
 
 /// How a cache entry's hits run, as cache_tree() shows it; see [Note: Eager
 /// when it is faster].
-enum class ServedBy : uint8_t {
+enum class EagerIfFasterChoice : uint8_t {
   /// No graph at this node.
   none,
   /// Its compiled graph (the default; also before and while it is timed).
@@ -540,11 +540,11 @@ enum class ServedBy : uint8_t {
   eager,
 };
 
-ServedBy served_by(const ShadowNode& node) {
+EagerIfFasterChoice eager_if_faster_choice(const ShadowNode& node) {
   if (!node.compiled_fn.is_valid()) {
-    return ServedBy::none;
+    return EagerIfFasterChoice::none;
   }
-  return node.choice.eager ? ServedBy::eager : ServedBy::compiled;
+  return node.eager_if_faster.eager ? EagerIfFasterChoice::eager : EagerIfFasterChoice::compiled;
 }
 
 double seconds(uint64_t ns) {
@@ -605,8 +605,8 @@ struct CacheTreeNode {
   uint32_t num_dynamic_sizes = 0;
   /// Sizes stay static; see [Note: Static when dynamic fails].
   bool static_sizes = false;
-  /// What its timing chose; see [Note: Eager when it is faster].
-  ServedBy served_by = ServedBy::none;
+  /// What its timing chose; see [Note: Eager if faster].
+  EagerIfFasterChoice eager_if_faster_choice = EagerIfFasterChoice::none;
   /// Backwards it ran on the eager engine by choice or to time it.
   uint64_t eager_runs = 0;
   /// Median seconds of a compiled backward in its last timing (0 before one).
@@ -614,7 +614,7 @@ struct CacheTreeNode {
   /// Median seconds of an eager backward in its last timing (0 before one).
   double eager_median_s = 0;
   /// Median of its last timing's paired ratios compiled / eager, which
-  /// decided (0 before one); see [Note: Eager when it is faster].
+  /// decided (0 before one); see [Note: Eager if faster].
   double compiled_over_eager = 0;
 };
 
@@ -622,24 +622,24 @@ struct CacheTreeNode {
 
 void register_shadow_cache(nb::module_& m) {
   m.def(
-      "hit_choice_decision",
+      "eager_if_faster_decision",
       [](const std::vector<uint64_t>& compiled_ns, const std::vector<uint64_t>& eager_ns) {
         if (compiled_ns.empty() || compiled_ns.size() != eager_ns.size()) {
           throw nb::value_error(
-              "hit_choice_decision: compiled_ns and eager_ns must be equally long and not empty");
+              "eager_if_faster_decision: compiled_ns and eager_ns must be equally long and not empty");
         }
-        const HitChoice::Decision d = HitChoice::decide(compiled_ns, eager_ns);
+        const EagerIfFaster::Decision d = EagerIfFaster::decide(compiled_ns, eager_ns);
         return nb::make_tuple(d.eager, d.compiled_over_eager, d.undecided);
       },
       nb::arg("compiled_ns"),
       nb::arg("eager_ns"),
       "(eager, compiled_over_eager, undecided): what a cache entry decides from timed "
       "runs of each way, the k-th of each neighbours in time (undecided: it would time "
-      "more); see [Note: Eager when it is faster].");
-  nb::enum_<ServedBy>(m, "ServedBy", "How a cache entry's hits run (CacheTreeNode.served_by).")
-      .value("none", ServedBy::none, "No graph at this node.")
-      .value("compiled", ServedBy::compiled, "Its compiled graph.")
-      .value("eager", ServedBy::eager, "The eager engine, chosen by timing (eager_if_faster).");
+      "more); see [Note: Eager if faster].");
+  nb::enum_<EagerIfFasterChoice>(m, "EagerIfFasterChoice", "How a cache entry's hits run (CacheTreeNode.eager_if_faster_choice).")
+      .value("none", EagerIfFasterChoice::none, "No graph at this node.")
+      .value("compiled", EagerIfFasterChoice::compiled, "Its compiled graph.")
+      .value("eager", EagerIfFasterChoice::eager, "The eager engine, chosen by timing (eager_if_faster).");
   nb::class_<CacheTreeNode>(m, "CacheTreeNode", "One node of the shadow-graph cache (cache_tree()).")
       .def_ro("id", &CacheTreeNode::id)
       .def_ro("parent", &CacheTreeNode::parent)
@@ -654,7 +654,7 @@ void register_shadow_cache(nb::module_& m) {
       .def_ro("num_sizes", &CacheTreeNode::num_sizes)
       .def_ro("num_dynamic_sizes", &CacheTreeNode::num_dynamic_sizes)
       .def_ro("static_sizes", &CacheTreeNode::static_sizes)
-      .def_ro("served_by", &CacheTreeNode::served_by)
+      .def_ro("eager_if_faster_choice", &CacheTreeNode::eager_if_faster_choice)
       .def_ro("eager_runs", &CacheTreeNode::eager_runs)
       .def_ro("compiled_median_s", &CacheTreeNode::compiled_median_s)
       .def_ro("eager_median_s", &CacheTreeNode::eager_median_s)
@@ -690,11 +690,11 @@ void register_shadow_cache(nb::module_& m) {
               row.num_dynamic_sizes += d ? 1 : 0;
             }
             row.static_sizes = node->static_sizes;
-            row.served_by = served_by(*node);
-            row.eager_runs = node->choice.eager_runs;
-            row.compiled_median_s = seconds(node->choice.compiled_median_ns);
-            row.eager_median_s = seconds(node->choice.eager_median_ns);
-            row.compiled_over_eager = node->choice.compiled_over_eager;
+            row.eager_if_faster_choice = eager_if_faster_choice(*node);
+            row.eager_runs = node->eager_if_faster.eager_runs;
+            row.compiled_median_s = seconds(node->eager_if_faster.compiled_median_ns);
+            row.eager_median_s = seconds(node->eager_if_faster.eager_median_ns);
+            row.compiled_over_eager = node->eager_if_faster.compiled_over_eager;
             for (const auto& [_, child] : node->next) {
               stack.push_back({child.get(), static_cast<int64_t>(node->id), depth + 1});
             }

@@ -72,12 +72,12 @@ def test_walk_describes_nodes_in_eager_order_and_remembers_failure() -> None:
     assert ca_core.counters()["eager_fallbacks"] == 2
     # A failed entry: no graph, so served by nothing, never timed.
     (failed,) = [node for node in ca_core.cache_tree() if node.failed]
-    assert (failed.depth, failed.hits, failed.has_graph, failed.compiler, failed.served_by) == (
+    assert (failed.depth, failed.hits, failed.has_graph, failed.compiler, failed.eager_if_faster_choice) == (
         5,
         0,
         False,
         "default",
-        ca_core.ServedBy.none,
+        ca_core.EagerIfFasterChoice.none,
     )
     ca_core.clear_cache()
     assert [node for node in ca_core.cache_tree() if node.failed or node.has_graph] == []
@@ -105,16 +105,20 @@ _DECISIONS = {
 
 
 @pytest.mark.parametrize("case", list(_DECISIONS))
-def test_hit_choice_decides_by_paired_ratio_and_a_tie_runs_eagerly(case: str) -> None:
+def test_eager_if_faster_decides_by_paired_ratio_and_a_tie_runs_eagerly(case: str) -> None:
     compiled_ns, eager_ns, eager, ratio, undecided = _DECISIONS[case]
-    assert ca_core._C.hit_choice_decision(compiled_ns, eager_ns) == (eager, pytest.approx(ratio), undecided)
+    assert ca_core._C.eager_if_faster_decision(compiled_ns, eager_ns) == (
+        eager,
+        pytest.approx(ratio),
+        undecided,
+    )
 
 
-def test_hit_choice_decision_rejects_unpaired_timings() -> None:
+def test_eager_if_faster_decision_rejects_unpaired_timings() -> None:
     with pytest.raises(ValueError, match="equally long"):
-        ca_core._C.hit_choice_decision([1, 2], [1])
+        ca_core._C.eager_if_faster_decision([1, 2], [1])
     with pytest.raises(ValueError, match="equally long"):
-        ca_core._C.hit_choice_decision([], [])
+        ca_core._C.eager_if_faster_decision([], [])
 
 
 class TupleRuntime(RecordingRuntime):
@@ -140,6 +144,6 @@ def test_a_capture_that_returns_no_captured_graph_is_a_clear_error() -> None:
 def test_a_captured_graph_names_its_fields() -> None:
     captured = ca_core.CapturedGraph(compiled=print, leaf_outputs=[3, 1], free_early=[2])
     assert (captured.compiled, captured.leaf_outputs, captured.leaf_hooks_only) == (print, [3, 1], [])
-    assert (captured.free_early, captured.may_run_eagerly) == ([2], False)
+    assert (captured.free_early, captured.eager_if_faster_allowed) == ([2], False)
     with pytest.raises(TypeError):
         ca_core.CapturedGraph(print, [3, 1])  # keywords only

@@ -63,10 +63,10 @@ def test_a_backward_run_eagerly_by_choice_frees_as_eager_does() -> None:
 
     See [Note: The walk lets go before eager runs] in ca_core.
     """
-    peaks, stats = _peaks("aot_eager", "eager-choice")
+    peaks, stats = _peaks("aot_eager", "eager-if-faster")
     assert stats["captures"] == 1 and stats["eager_fallbacks"] == 0, stats
     # 8 timed eager runs and 2 chosen ones, the second the backward measured.
-    assert stats["eager_by_choice"] == 10 and stats["cache_hits"] == 12, stats
+    assert stats["eager_if_faster_runs"] == 10 and stats["cache_hits"] == 12, stats
     mib = 2**20
     # Holding the 8 layers' saved activations to the end would add about 16 MiB.
     assert peaks["ca"] <= peaks["eager"] + 2 * mib, peaks

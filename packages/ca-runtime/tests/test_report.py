@@ -21,7 +21,16 @@ from ca_runtime._cache_entry import CacheEntry
 from ca_runtime._report.html import SECTION_IDS, render
 from ca_runtime._report.layout import DrawGraph, DrawNode, dot_version, draw, layers
 from ca_runtime._report.model import ReportData, build_report_data
-from ca_runtime._report.records import RECORDER, NodeKind, Outcome, Stage, miss_category
+from ca_runtime._report.records import (
+    _TENSOR_PRE_HOOK_KINDS,
+    RECORDER,
+    HookKind,
+    NodeKind,
+    Outcome,
+    ReasonKind,
+    Stage,
+    miss_category,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore::ca_runtime.GraphBreakWarning")
 
@@ -78,7 +87,7 @@ def test_captures_breaks_and_dynamic_sizes_are_recorded(backend: str) -> None:
         assert [b.node_name for b in capture.breaks] == ["ReluBackward0"]
         relu = _node(capture, "ReluBackward0")
         assert relu.kind == "break" and "retain_grad" in relu.detail
-        assert relu.hooks[0].kind == "tensor pre-hook (retains_grad)"
+        assert relu.hooks[0].kind is HookKind.TENSOR_PRE_RETAINS_GRAD
         assert _node(capture, "AddmmBackward0").kind == "traced"
         leaves = [n for n in capture.nodes if n.is_leaf]
         assert len(leaves) == 4 and {n.kind for n in leaves} == {"leaf"}
@@ -121,8 +130,12 @@ def test_functions_and_hooks_are_marked() -> None:
     doubled = _node(capture, "_DoubledBackward")
     assert doubled.kind == "function"
     ((hook),) = doubled.hooks
-    assert hook.kind == "tensor pre-hook (python)" and "_scale_hook" in hook.repr
+    assert hook.kind is HookKind.TENSOR_PRE_PYTHON and "_scale_hook" in hook.repr
     assert capture.lifted.num_hooks >= 2  # the hook and the Function's ctx
+
+
+def test_every_tensor_pre_hook_kind_has_a_report_kind() -> None:
+    assert set(_TENSOR_PRE_HOOK_KINDS) == set(ca_core.TensorPreHookKind)
 
 
 def test_compiler_fn_failure_is_a_recorded_fallback() -> None:
@@ -295,6 +308,11 @@ def test_json_round_trip() -> None:
     again = ReportData.from_json(json.loads(json.dumps(data.to_json())))
     assert again == data
     assert all(type(node.kind) is NodeKind for capture in again.captures for node in capture.nodes)
+    hooks = [hook for capture in again.captures for node in capture.nodes for hook in node.hooks]
+    assert hooks and all(type(hook.kind) is HookKind for hook in hooks)
+    assert list(again.top_reasons) == list(ReasonKind) and all(
+        type(k) is ReasonKind for k in again.top_reasons
+    )
     with pytest.raises(ValueError, match="format version"):
         ReportData.from_json({**data.to_json(), "format_version": 99})
 

@@ -27,7 +27,7 @@ class EngineRuntime(Protocol):
         """Build and compile the graph of a walked backward, or None to run it eagerly.
 
         Returns a ``CapturedGraph`` (compiled, leaf_outputs, leaf_hooks_only, free_early,
-        may_run_eagerly); see ca_runtime's [Note: Capture methods].
+        eager_if_faster_allowed); see ca_runtime's [Note: Capture methods].
         """
         ...
 
@@ -46,8 +46,8 @@ class EngineRuntime(Protocol):
     # Optional: ``take_compiling() -> Callable[[], bool] | None``, called after a
     # first run that succeeded; see [Note: Eager while compiling] in engine_hook.cpp.
     # Optional: ``eager_if_faster: bool`` (read at install) and
-    # ``report_choice(entry_id, eager, compiled_s, eager_s, compiled_over_eager) -> None``; see
-    # [Note: Eager when it is faster] in hit_choice.h.
+    # ``report_eager_if_faster(entry_id, eager, compiled_s, eager_s, compiled_over_eager) -> None``; see
+    # [Note: Eager if faster] in eager_if_faster.h.
     # Optional: ``report_hooks_changed(node: str) -> None``, called after a graph
     # run during which a hook changed the hooks of ``node``; see [Note: Hooks
     # changed while a graph runs] in engine_hook.cpp.

@@ -67,7 +67,7 @@ def _check_ca_core() -> None:
 _check_ca_core()
 
 from ca_runtime._background import wait_for_background_compiles  # noqa: E402
-from ca_runtime._cache_entry import ServedBy  # noqa: E402
+from ca_runtime._cache_entry import EagerIfFasterChoice  # noqa: E402
 from ca_runtime._capture import build_graph_module  # noqa: E402
 from ca_runtime._enable import (  # noqa: E402
     CacheEntry,
@@ -86,10 +86,10 @@ from ca_runtime._runtime import Runtime, last_graph  # noqa: E402
 __all__ = [
     "CacheEntry",
     "EagerFallbackWarning",
+    "EagerIfFasterChoice",
     "GraphBreakWarning",
     "RecompileWarning",
     "Runtime",
-    "ServedBy",
     "build_graph_module",
     "cache_clear_failed",
     "cache_info",

@@ -13,11 +13,11 @@ import enum
 
 import ca_core
 
-__all__ = ["CacheEntry", "ServedBy"]
+__all__ = ["CacheEntry", "EagerIfFasterChoice"]
 
 
-class ServedBy(enum.StrEnum):
-    """How a cache entry's hits run: ``ca_core.ServedBy``, member for member; equal to its string."""
+class EagerIfFasterChoice(enum.StrEnum):
+    """How a cache entry's hits run: ``ca_core.EagerIfFasterChoice``, member for member; equal to its string."""
 
     #: No graph at this node.
     NONE = ""
@@ -27,8 +27,8 @@ class ServedBy(enum.StrEnum):
     EAGER = "eager"
 
     @classmethod
-    def of(cls, served_by: ca_core.ServedBy) -> ServedBy:
-        return cls[served_by.name.upper()]
+    def of(cls, eager_if_faster_choice: ca_core.EagerIfFasterChoice) -> EagerIfFasterChoice:
+        return cls[eager_if_faster_choice.name.upper()]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,11 +49,11 @@ class CacheEntry:
     compiler: str
     #: Why it failed (the fallback warning's reason), or "".
     failure: str
-    #: What its timing chose: ``ServedBy.COMPILED``, ``ServedBy.EAGER`` (compiled
+    #: What its timing chose: ``EagerIfFasterChoice.COMPILED``, ``EagerIfFasterChoice.EAGER`` (compiled
     #: was not measurably faster, see ``enable(eager_if_faster=...)``; under
     #: ``eager_if_faster=False`` it runs compiled all the same) or
-    #: ``ServedBy.NONE`` (no graph); each equal to its string ("compiled", "eager", "").
-    served_by: ServedBy = ServedBy.NONE
+    #: ``EagerIfFasterChoice.NONE`` (no graph); each equal to its string ("compiled", "eager", "").
+    eager_if_faster_choice: EagerIfFasterChoice = EagerIfFasterChoice.NONE
     #: Backwards it ran on the eager engine, by that choice or to time it.
     eager_runs: int = 0
     #: Median seconds of a compiled backward in its last timing (0.0 before one).
@@ -87,7 +87,7 @@ class CacheEntry:
             sizes=node.num_sizes,
             compiler=node.compiler,
             failure=node.failure,
-            served_by=ServedBy.of(node.served_by),
+            eager_if_faster_choice=EagerIfFasterChoice.of(node.eager_if_faster_choice),
             eager_runs=node.eager_runs,
             compiled_median_s=node.compiled_median_s,
             eager_median_s=node.eager_median_s,

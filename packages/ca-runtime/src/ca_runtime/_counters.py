@@ -87,15 +87,15 @@ COUNTERS: tuple[Counter, ...] = (
         _core("eager_while_compiling"),
     ),
     Counter(
-        "eager_by_choice",
+        "eager_if_faster_runs",
         "backwards at a cache entry run on the eager engine because its graph was not measurably "
         "faster, or to time it (enable(eager_if_faster=True))",
-        _core("eager_by_choice"),
+        _core("eager_if_faster_runs"),
     ),
     Counter(
-        "eager_without_walk",
-        "of eager_by_choice, those recognised without walking the graph",
-        _core("eager_without_walk"),
+        "eager_if_faster_without_walk",
+        "of eager_if_faster_runs, those recognised without walking the graph",
+        _core("eager_if_faster_without_walk"),
     ),
 )
 

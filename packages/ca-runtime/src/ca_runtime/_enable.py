@@ -274,7 +274,7 @@ def enable(
     bitwise reproducible; see [Note: A reproducible default]), each captured
     graph is timed against the eager engine over a few of its cache hits,
     and its backwards run on the eager engine if that was faster (timed
-    again later; see [Note: Eager when it is faster] in ca_core and
+    again later; see [Note: Eager if faster] in ca_core and
     ``cache_info()``). Use it as ``with
     enable(...) as runtime:``; on exit, by return or by exception, the engine
     hook that was active before is restored (see [Note: Restoring the engine
@@ -349,7 +349,7 @@ def stats() -> dict[str, int]:
     graph break, summed over the captured graphs), ``eager_fallbacks``
     (backwards run wholly eagerly), ``background_compiles`` and
     ``eager_while_compiling`` (``compile_in_background``), ``uncompiled_runs``
-    (graph calls run op by op), ``eager_by_choice`` and ``eager_without_walk``
+    (graph calls run op by op), ``eager_if_faster_runs`` and ``eager_if_faster_without_walk``
     (``enable(eager_if_faster=True)``). Each counter's meaning is in
     ``ca_runtime._counters.COUNTERS``, their one table.
     """

@@ -8,13 +8,13 @@ which mypy checks ``Runtime`` against):
 - ``capture(graph)``: build the FX graph of a walked backward and compile it
   with ``compiler_fn`` (its runs of nodes fused, see _node_runs.py); return a
   ``ca_core.CapturedGraph`` (``compiled``, ``leaf_outputs``, ``leaf_hooks_only``,
-  ``free_early``, ``may_run_eagerly``) -- the compiled callable, the walk index of each AccumulateGrad
+  ``free_early``, ``eager_if_faster_allowed``) -- the compiled callable, the walk index of each AccumulateGrad
   node whose grad the graph returns, per such node whether the graph
   accumulated it already (only its grad_fn post hooks are left to run),
   the nodes whose saved tensors may be dropped before a cache hit runs (see
   [Note: Saved tensors freed early] in ca_core), and whether its hits may
   run on the eager engine where that measures faster (see
-  [Note: Eager when it is faster] in ca_core (hit_choice.h)) -- or None to run this
+  [Note: Eager if faster] in ca_core (eager_if_faster.h)) -- or None to run this
   backward (and every later one with the same key path) eagerly.
 - ``run_first(compiled, inputs, sizes, scalars, hooks, dynamic_dims)``: the
   first call of a freshly compiled graph, where lazy compilers
@@ -31,7 +31,7 @@ which mypy checks ``Runtime`` against):
   are ready, or None; see [Note: Eager while compiling] in ca_core and
   [Note: Compiling in the background] in _background.py. Optional: a runtime
   without it compiles nothing in the background.
-- ``report_choice(entry_id, eager, compiled_s, eager_s, compiled_over_eager)``: a cache entry has
+- ``report_eager_if_faster(entry_id, eager, compiled_s, eager_s, compiled_over_eager)``: a cache entry has
   timed its hits both ways and chose (logged at INFO). Optional, as is the
   attribute ``eager_if_faster`` that ca_core reads at install (absent: off).
 - ``report_fallback(node, reason)``: ca_core could not even walk the graph.
@@ -120,7 +120,7 @@ def _what(value: object) -> str:
 
 
 def _in_multi_process_group() -> bool:
-    """A process group of more than one rank is running: see [Note: Eager when it is faster] in ca_core (hit_choice.h).
+    """A process group of more than one rank is running: see [Note: Eager if faster] in ca_core (eager_if_faster.h).
 
     Each rank's timing would include its waits for the others, and the ranks
     would choose apart; their graphs stay compiled.
@@ -345,13 +345,13 @@ class Runtime:
             warn_at_user_line(message, GraphBreakWarning)
         # Whether eager_if_faster may apply to this graph; whether it does is
         # the installed enable()'s (read by ca_core at install).
-        may_run_eagerly = eager_is_cheap and not _in_multi_process_group()
+        eager_if_faster_allowed = eager_is_cheap and not _in_multi_process_group()
         return ca_core.CapturedGraph(
             compiled=compiled,
             leaf_outputs=captured.leaf_outputs,
             leaf_hooks_only=captured.leaf_hooks_only,
             free_early=captured.free_early(),
-            may_run_eagerly=may_run_eagerly,
+            eager_if_faster_allowed=eager_if_faster_allowed,
         )
 
     def run_first(
@@ -471,7 +471,7 @@ class Runtime:
             return None
         return lambda: compiles_done(threads)
 
-    def report_choice(
+    def report_eager_if_faster(
         self, entry_id: int, eager: bool, compiled_s: float, eager_s: float, compiled_over_eager: float
     ) -> None:
         """See [Note: Capture methods]: cache entry ``entry_id`` timed both ways and chose."""

@@ -3,11 +3,11 @@
 Run with MALLOC_MMAP_THRESHOLD_=65536 (every tensor buffer its own mapping,
 freed to the system at once) so that RSS follows live tensor bytes; see
 bench/run.py's backward_peak_bytes. Usage: backward_peak_memory.py BACKEND
-[checkpoint | stance | eager-choice]; with ``checkpoint`` each pair of layers
+[checkpoint | stance | eager-if-faster]; with ``checkpoint`` each pair of layers
 is a non-reentrant checkpointed region; with ``stance`` one earlier hit runs
 under ``torch.compiler.set_stance("force_eager")`` (the graph as Python, its
 nodes run for real; see [Note: Nodes that run for real keep their saved
-tensors]); with ``eager-choice`` the compiled graph sleeps 250 ms (eager's backward
+tensors]); with ``eager-if-faster`` the compiled graph sleeps 250 ms (eager's backward
 here took 261-365 ms on a loaded 2-core machine: 50 ms was within its
 spread, and one CI run chose the compiled graph), so that the
 entry chooses the eager engine, and the backward measured runs there (see
@@ -57,16 +57,16 @@ def main() -> None:
             return h
 
         model.forward = forward  # type: ignore[method-assign]
-    eager_choice = sys.argv[2:] == ["eager-choice"]
-    compiler_fn = slowed_compiler(sys.argv[1], 0.25) if eager_choice else sys.argv[1]
+    eager_if_faster = sys.argv[2:] == ["eager-if-faster"]
+    compiler_fn = slowed_compiler(sys.argv[1], 0.25) if eager_if_faster else sys.argv[1]
     contexts = {
         "eager": contextlib.nullcontext,
-        "ca": lambda: ca_runtime.enable(compiler_fn, eager_if_faster=eager_choice),
+        "ca": lambda: ca_runtime.enable(compiler_fn, eager_if_faster=eager_if_faster),
     }
     stance_step = 2 if sys.argv[2:] == ["stance"] else -1
-    # eager-choice: a first run, 4 untimed hits, 8 timed backwards each way,
-    # then the entry runs eagerly ([Note: Eager when it is faster]).
-    ca_steps = 23 if eager_choice else 5 if stance_step >= 0 else 4
+    # eager-if-faster: a first run, 4 untimed hits, 8 timed backwards each way,
+    # then the entry runs eagerly ([Note: Eager if faster]).
+    ca_steps = 23 if eager_if_faster else 5 if stance_step >= 0 else 4
     peaks = {}
     for name, make in contexts.items():
         steps = ca_steps if name == "ca" else 4  # eager's peak is the same from its second step on

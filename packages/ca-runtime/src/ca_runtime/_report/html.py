@@ -19,10 +19,10 @@ import hashlib
 import html
 from collections.abc import Iterable, Sequence
 
-from ca_runtime._cache_entry import CacheEntry, ServedBy
+from ca_runtime._cache_entry import CacheEntry, EagerIfFasterChoice
 from ca_runtime._report.layout import DrawGraph, DrawNode, dot_version, draw
 from ca_runtime._report.model import ReportData
-from ca_runtime._report.records import CaptureRecord, NodeKind, NodeRecord, Outcome, Stage
+from ca_runtime._report.records import CaptureRecord, NodeKind, NodeRecord, Outcome, ReasonKind, Stage
 
 __all__ = ["KIND_COLOURS", "SECTION_IDS", "render"]
 
@@ -97,7 +97,7 @@ def _overview(data: ReportData) -> str:
             ("cache hits", c["cache_hits"], ""),
             ("graph breaks", c["graph_breaks"], "warn" if c["graph_breaks"] else ""),
             ("eager fallbacks", c["eager_fallbacks"], "bad" if c["eager_fallbacks"] else ""),
-            ("eager by choice", c.get("eager_by_choice", 0), ""),
+            ("eager if faster", c.get("eager_if_faster_runs", 0), ""),
         )
     )
     t = data.timings
@@ -145,18 +145,14 @@ def _overview(data: ReportData) -> str:
     else:
         note = f'<p class="note">Timed backwards: {backwards}.</p>'
     reasons = "".join(
-        f"<div><h3>{e(title)}</h3>"
+        f"<div><h3>{e(kind.heading)}</h3>"
         + (
             _table(("count", "reason"), [(str(n), e(reason)) for reason, n in data.top_reasons.get(kind, [])])
             if data.top_reasons.get(kind)
             else '<p class="none">none</p>'
         )
         + "</div>"
-        for kind, title in (
-            ("break", "Top graph-break reasons"),
-            ("fallback", "Top fallback reasons"),
-            ("miss", "Top miss reasons"),
-        )
+        for kind in ReasonKind
     )
     kept = ""
     if data.num_captures > len(data.captures) or data.num_fallbacks > len(data.fallbacks):
@@ -236,7 +232,7 @@ def _cache_tree(data: ReportData) -> str:
                 f"compiled {_seconds(end.compiled_median_s)}, eager {_seconds(end.eager_median_s)}, "
                 f"compiled/eager {end.compiled_over_eager:.3f} paired"
             )
-            if end.served_by is ServedBy.EAGER:
+            if end.eager_if_faster_choice is EagerIfFasterChoice.EAGER:
                 badges.append(
                     f'<span class="badge eager">runs eagerly, compiled not measurably faster ({timing})</span>'
                 )

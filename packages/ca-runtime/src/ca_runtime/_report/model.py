@@ -26,7 +26,7 @@ import torch
 from ca_runtime._cache_entry import CacheEntry
 from ca_runtime._counters import stats
 from ca_runtime._report import records
-from ca_runtime._report.records import CaptureRecord, FallbackRecord, Stage
+from ca_runtime._report.records import CaptureRecord, FallbackRecord, ReasonKind, Stage
 
 __all__ = [
     "FORMAT_VERSION",
@@ -57,8 +57,8 @@ class ReportData:
     timings: dict[str, int] | None
     #: Seconds per miss-path stage.
     seconds: dict[Stage, float]
-    #: Per kind ("break", "fallback", "miss"): the most frequent reasons and their counts.
-    top_reasons: dict[str, list[tuple[str, int]]]
+    #: Per kind: the most frequent reasons and their counts.
+    top_reasons: dict[ReasonKind, list[tuple[str, int]]]
     #: Every node of the cache, each compiler's tree depth-first (parents first).
     cache_tree: list[CacheEntry]
     #: The latest captures and fallbacks, oldest first.
@@ -155,7 +155,7 @@ def build_report_data() -> ReportData:
         counters=stats(),
         timings=dict(timings) if _TimingSwitch.enabled or timings["timed_backwards"] else None,
         seconds=dict(log.seconds),
-        top_reasons={kind: _top(log.reasons.get(kind)) for kind in ("break", "fallback", "miss")},
+        top_reasons={kind: _top(log.reasons.get(kind)) for kind in ReasonKind},
         cache_tree=[CacheEntry.of(n) for n in ca_core.cache_tree()],
         captures=list(log.captures),
         fallbacks=list(log.fallbacks),

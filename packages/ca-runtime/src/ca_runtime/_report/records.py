@@ -49,11 +49,13 @@ __all__ = [
     "BreakRecord",
     "CaptureRecord",
     "FallbackRecord",
+    "HookKind",
     "HookRecord",
     "LiftedInputs",
     "NodeKind",
     "NodeRecord",
     "Outcome",
+    "ReasonKind",
     "Recorder",
     "ReportLog",
     "Stage",
@@ -103,11 +105,34 @@ _MAX_REPR = 160
 _MAX_LISTED = 256
 
 
+class HookKind(enum.StrEnum):
+    """Where a node's hook is registered, in the report's words."""
+
+    TENSOR_PRE_PYTHON = "tensor pre-hook (python)"
+    TENSOR_PRE_CPP = "tensor pre-hook (cpp)"
+    TENSOR_PRE_RETAINS_GRAD = "tensor pre-hook (retains_grad)"
+    TENSOR_PRE_OPAQUE = "tensor pre-hook (opaque)"
+    GRAD_FN_PRE = "grad_fn pre-hook"
+    GRAD_FN = "grad_fn hook"
+    POST_ACCUMULATE_GRAD = "post-accumulate-grad hook"
+    ACCUMULATE_GRAD_PRE = "AccumulateGrad pre-hook"
+    ACCUMULATE_GRAD = "AccumulateGrad hook"
+
+
+#: The report's kind of each ca_core tensor pre-hook kind.
+_TENSOR_PRE_HOOK_KINDS = {
+    ca_core.TensorPreHookKind.python: HookKind.TENSOR_PRE_PYTHON,
+    ca_core.TensorPreHookKind.cpp: HookKind.TENSOR_PRE_CPP,
+    ca_core.TensorPreHookKind.retains_grad: HookKind.TENSOR_PRE_RETAINS_GRAD,
+    ca_core.TensorPreHookKind.opaque: HookKind.TENSOR_PRE_OPAQUE,
+}
+
+
 @dataclasses.dataclass
 class HookRecord:
     """A hook of a node: its kind and, once the graph ran, its ``repr``."""
 
-    kind: str
+    kind: HookKind
     #: Index in the hooks list the graph gets (a Python object), or None (a C++ hook).
     index: int | None = None
     repr: str = ""
@@ -172,6 +197,26 @@ class Stage(enum.StrEnum):
 
 
 _STAGE_LABELS = {Stage.CAPTURE: "capture", Stage.COMPILE: "compiler_fn", Stage.FIRST_RUN: "first run"}
+
+
+class ReasonKind(enum.StrEnum):
+    """What the report counts reasons of (its "Top ... reasons" tables), in their order."""
+
+    BREAK = "break"
+    FALLBACK = "fallback"
+    MISS = "miss"
+
+    @property
+    def heading(self) -> str:
+        """The report's title of its table."""
+        return _REASON_HEADINGS[self]
+
+
+_REASON_HEADINGS = {
+    ReasonKind.BREAK: "Top graph-break reasons",
+    ReasonKind.FALLBACK: "Top fallback reasons",
+    ReasonKind.MISS: "Top miss reasons",
+}
 
 
 class Outcome(enum.StrEnum):
@@ -255,7 +300,7 @@ class ReportLog:
         #: Seconds spent per stage.
         self.seconds: dict[Stage, float] = {}
         #: Per kind ("break", "fallback", "miss"): how often each reason occurred.
-        self.reasons: dict[str, Counter[str]] = {}
+        self.reasons: dict[ReasonKind, Counter[str]] = {}
 
 
 class Recorder:
@@ -292,7 +337,7 @@ class Recorder:
             seconds_by_stage = self.log.seconds
             seconds_by_stage[stage] = seconds_by_stage.get(stage, 0.0) + seconds
 
-    def count_reasons(self, kind: str, reasons: Iterable[str]) -> None:
+    def count_reasons(self, kind: ReasonKind, reasons: Iterable[str]) -> None:
         with self._lock:
             self.log.reasons.setdefault(kind, Counter()).update(reasons)
 
@@ -325,18 +370,18 @@ def _now() -> float:
 def _hooks_of(node: ca_core.NodeInfo) -> list[HookRecord]:
     hooks = [
         HookRecord(
-            f"tensor pre-hook ({hook.kind.name})",
+            _TENSOR_PRE_HOOK_KINDS[hook.kind],
             hook.hook if hook.kind is ca_core.TensorPreHookKind.python else None,
         )
         for hook in node.tensor_pre_hooks
     ]
-    hooks += [HookRecord("grad_fn pre-hook", i) for i in node.pre_hooks]
-    hooks += [HookRecord("grad_fn hook", i) for i in node.post_hooks]
-    hooks += [HookRecord("post-accumulate-grad hook", i) for i in node.post_acc_grad_hooks]
+    hooks += [HookRecord(HookKind.GRAD_FN_PRE, i) for i in node.pre_hooks]
+    hooks += [HookRecord(HookKind.GRAD_FN, i) for i in node.post_hooks]
+    hooks += [HookRecord(HookKind.POST_ACCUMULATE_GRAD, i) for i in node.post_acc_grad_hooks]
     # Hooks of a leaf's real AccumulateGrad node run in C++ (see [Note: Leaf node hooks] in ca_core).
     if node.is_accumulate_grad:
-        hooks += [HookRecord("AccumulateGrad pre-hook")] * node.num_grad_fn_pre_hooks
-        hooks += [HookRecord("AccumulateGrad hook")] * node.num_grad_fn_post_hooks
+        hooks += [HookRecord(HookKind.ACCUMULATE_GRAD_PRE)] * node.num_grad_fn_pre_hooks
+        hooks += [HookRecord(HookKind.ACCUMULATE_GRAD)] * node.num_grad_fn_post_hooks
     return hooks
 
 
@@ -378,7 +423,7 @@ def begin_capture(graph: ca_core.BackwardGraph, compiler: str) -> CaptureRecord:
         ),
     )
     RECORDER.add_capture_record(record)
-    RECORDER.count_reasons("miss", [miss_category(graph.miss_node, graph.miss_reason)])
+    RECORDER.count_reasons(ReasonKind.MISS, [miss_category(graph.miss_node, graph.miss_reason)])
     return record
 
 
@@ -439,7 +484,7 @@ def capture_built(record: CaptureRecord, captured: Capture, seconds: float) -> N
             node.kind = NodeKind.BREAK
             node.detail = ran + "; ".join(reasons)
     RECORDER.add_seconds(Stage.CAPTURE, seconds)
-    RECORDER.count_reasons("break", (b.reason for b in record.breaks))
+    RECORDER.count_reasons(ReasonKind.BREAK, (b.reason for b in record.breaks))
 
 
 def capture_compiled(record: CaptureRecord, seconds: float) -> None:
@@ -517,4 +562,4 @@ def record_fallback(compiler: str, where: str, reason: str, capture: CaptureReco
     RECORDER.add_fallback_record(
         FallbackRecord(0, _now(), compiler, where, reason, None if capture is None else capture.id)
     )
-    RECORDER.count_reasons("fallback", [f"{where}: {reason}"])
+    RECORDER.count_reasons(ReasonKind.FALLBACK, [f"{where}: {reason}"])

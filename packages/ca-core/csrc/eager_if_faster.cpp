@@ -1,9 +1,9 @@
-// hit_choice.cpp — the schedule and the decision of HitChoice: when a cache
+// eager_if_faster.cpp — the schedule and the decision of EagerIfFaster: when a cache
 // entry times its hits both ways and which way wins (see [Note: Eager when it
 // is faster]); and the backwards its choice of eager serves without a walk,
 // recognised by their GraphTask's fingerprint (see [Note: Eager without the
 // walk]). The engine hook (engine_hook.cpp) acts on both.
-#include "hit_choice.h"
+#include "eager_if_faster.h"
 
 #include "ca_core.h"
 #include "torch_private.h"
@@ -31,7 +31,7 @@ T median(std::vector<T>& values) {
 
 } // namespace
 
-HitChoice::Decision HitChoice::decide(
+EagerIfFaster::Decision EagerIfFaster::decide(
     const std::vector<uint64_t>& compiled_ns,
     const std::vector<uint64_t>& eager_ns) {
   // The k-th runs of each way are neighbours in next()'s schedule.
@@ -47,12 +47,12 @@ HitChoice::Decision HitChoice::decide(
   return d;
 }
 
-void HitChoice::reset(bool may_run_eagerly) {
-  *this = HitChoice();
-  eligible = may_run_eagerly;
+void EagerIfFaster::reset(bool eager_if_faster_allowed) {
+  *this = EagerIfFaster();
+  eligible = eager_if_faster_allowed;
 }
 
-HitChoice::Serve HitChoice::next(bool plain) {
+EagerIfFaster::Serve EagerIfFaster::next(bool plain) {
   ++runs;
   if (runs <= measure_after) {
     return eager ? Serve::kEager : Serve::kCompiled;
@@ -70,7 +70,7 @@ HitChoice::Serve HitChoice::next(bool plain) {
   return Serve::kTimeCompiled;
 }
 
-bool HitChoice::record(bool eager_run, uint64_t ns) {
+bool EagerIfFaster::record(bool eager_run, uint64_t ns) {
   std::vector<uint64_t>& sink = eager_run ? eager_ns : compiled_ns;
   if (sink.size() >= timed_per_way) {
     return false;
@@ -100,7 +100,7 @@ bool HitChoice::record(bool eager_run, uint64_t ns) {
 
 /*
 [Note: Eager without the walk]
-An entry that chose the eager engine (see [Note: Eager when it is faster])
+An entry that chose the eager engine (see [Note: Eager if faster])
 still paid the walk on every backward, only to learn which entry it was:
 on the bench's chain of 1000 muls, 3 ms on top of eager's 12. So each
 backward served eagerly by choice is remembered by a fingerprint of its
@@ -109,7 +109,7 @@ the numbers of nodes, of exec_info entries and of outputs, retain_graph,
 create_graph, accumulate-or-return, and the types and input shapes of the
 next nodes of the few nodes nearest the root), and a later backward with
 the same fingerprint, at an entry that is still alive, still chose eager and has no timing due, runs on
-the eager engine at once, counted in eager_by_choice and in the entry's
+the eager engine at once, counted in eager_if_faster_runs and in the entry's
 runs as if it had been walked. Every kWalkEvery-th such backward is walked
 anyway, so that a different graph with the same fingerprint (a new hook,
 new sizes deeper down) is captured or served as it should be within that
@@ -240,7 +240,7 @@ bool serve_remembered_eager(const ShadowNode* cache, const GraphFingerprint& f, 
   bool serve = generation == r->generation && ++r->unwalked < kWalkEvery;
   if (serve) {
     ShadowNode& entry = *r->entry;
-    HitChoice& choice = entry.choice;
+    EagerIfFaster& choice = entry.eager_if_faster;
     serve = entry.may_choose() && choice.next_is_chosen_eager();
     if (serve) {
       choice.next(true);  // counts the run; kEager, as checked

@@ -1,6 +1,6 @@
-"""Eager when it is faster: each cache entry times its hits both ways and serves them the faster way.
+"""Eager if faster: each cache entry times its hits both ways and serves them the faster way.
 
-See [Note: Eager when it is faster] in ca_core (hit_choice.h). The timings are
+See [Note: Eager if faster] in ca_core (eager_if_faster.h). The timings are
 made deterministic by a compiler_fn that sleeps in the compiled graph (eager
 wins) and by a Function whose backward sleeps only when not traced (the
 compiled graph wins). Every test compares with eager (grads, hook calls and
@@ -41,7 +41,7 @@ def _slow_graph(backend: str) -> Callable[[torch.fx.GraphModule], Any]:
 
 def _entry() -> ca_runtime.CacheEntry:
     """The one entry with a graph (its compiler_fn must still be alive: its cache goes with it)."""
-    (entry,) = [e for e in ca_runtime.cache_info() if e.served_by]
+    (entry,) = [e for e in ca_runtime.cache_info() if e.eager_if_faster_choice]
     return entry
 
 
@@ -77,9 +77,12 @@ def test_a_graph_slower_than_eager_runs_on_the_eager_engine(
     stats = comparison.stats
     assert stats["captures"] == 1 and stats["eager_fallbacks"] == 0 and stats["graph_breaks"] == 0, stats
     # WARMUP untimed and TIMED timed compiled hits; TIMED timed and 3 chosen eager runs.
-    assert stats["cache_hits"] == WARMUP + TIMED and stats["eager_by_choice"] == TIMED + 3, stats
+    assert stats["cache_hits"] == WARMUP + TIMED and stats["eager_if_faster_runs"] == TIMED + 3, stats
     entry = _entry()
-    assert entry.served_by is ca_runtime.ServedBy.EAGER and entry.served_by == "eager", entry
+    assert (
+        entry.eager_if_faster_choice is ca_runtime.EagerIfFasterChoice.EAGER
+        and entry.eager_if_faster_choice == "eager"
+    ), entry
     assert entry.eager_runs == TIMED + 3, entry
     assert entry.compiled_median_s > entry.eager_median_s + 0.015, entry
     assert entry.compiled_over_eager > 1.5, entry  # 20 ms more than a ~1 ms backward, per pair
@@ -105,10 +108,10 @@ def test_a_backward_served_eagerly_by_choice_is_recognised_without_a_walk(backen
     stats = comparison.stats
     assert stats["captures"] == 1 and stats["eager_fallbacks"] == 0 and stats["graph_breaks"] == 0, stats
     chosen = 3 + extra
-    assert stats["cache_hits"] == WARMUP + TIMED and stats["eager_by_choice"] == TIMED + chosen, stats
+    assert stats["cache_hits"] == WARMUP + TIMED and stats["eager_if_faster_runs"] == TIMED + chosen, stats
     # The first chosen run is walked and remembered; then WALK_EVERY - 1
     # without a walk, one walked, and the rest without.
-    assert stats["eager_without_walk"] == chosen - 2, stats
+    assert stats["eager_if_faster_without_walk"] == chosen - 2, stats
     assert _entry().eager_runs == TIMED + chosen
 
 
@@ -161,10 +164,10 @@ def test_hooks_run_in_the_backwards_grad_mode_whichever_way_it_is_served(
     assert stats["captures"] == 1 and stats["eager_fallbacks"] == 0 and stats["graph_breaks"] == 0, stats
     if slow:
         # 5 backwards served by choice: the first walked and remembered, 4 without a walk.
-        assert stats["cache_hits"] == WARMUP + TIMED and stats["eager_by_choice"] == TIMED + 5, stats
-        assert stats["eager_without_walk"] == 4, stats
+        assert stats["cache_hits"] == WARMUP + TIMED and stats["eager_if_faster_runs"] == TIMED + 5, stats
+        assert stats["eager_if_faster_without_walk"] == 4, stats
     else:
-        assert stats["eager_by_choice"] == 0 and stats["cache_hits"] == STEPS + 1, stats
+        assert stats["eager_if_faster_runs"] == 0 and stats["cache_hits"] == STEPS + 1, stats
 
 
 def test_a_new_hook_is_captured_within_the_walk_interval_and_runs_meanwhile() -> None:
@@ -194,7 +197,7 @@ def test_a_new_hook_is_captured_within_the_walk_interval_and_runs_meanwhile() ->
     )
     comparison.assert_ok()
     stats = comparison.stats
-    assert stats["eager_without_walk"] > 0, stats
+    assert stats["eager_if_faster_without_walk"] > 0, stats
     # The hooked graph was captured by the walk due at most WALK_EVERY backwards on.
     assert stats["captures"] == 2 and stats["eager_fallbacks"] == 0 and stats["graph_breaks"] == 0, stats
 
@@ -230,9 +233,11 @@ def test_a_graph_faster_than_eager_stays_compiled() -> None:
     stats = comparison.stats
     assert stats["captures"] == 1 and stats["eager_fallbacks"] == 0 and stats["graph_breaks"] == 0, stats
     # Only the timed eager runs; the 3 backwards after the choice are hits.
-    assert stats["eager_by_choice"] == TIMED and stats["cache_hits"] == WARMUP + TIMED + 3, stats
+    assert stats["eager_if_faster_runs"] == TIMED and stats["cache_hits"] == WARMUP + TIMED + 3, stats
     entry = _entry()
-    assert entry.served_by == "compiled" and entry.eager_median_s > entry.compiled_median_s + 0.015, entry
+    assert (
+        entry.eager_if_faster_choice == "compiled" and entry.eager_median_s > entry.compiled_median_s + 0.015
+    ), entry
     assert 0.0 < entry.compiled_over_eager < 0.5, entry
 
 
@@ -244,12 +249,16 @@ def test_eager_if_faster_false_always_runs_the_graph(backend: str) -> None:
     )
     comparison.assert_ok()
     stats = comparison.stats
-    assert stats["captures"] == 1 and stats["cache_hits"] == STEPS - 1 and stats["eager_by_choice"] == 0, (
-        stats
-    )
+    assert (
+        stats["captures"] == 1 and stats["cache_hits"] == STEPS - 1 and stats["eager_if_faster_runs"] == 0
+    ), stats
     assert stats["eager_fallbacks"] == 0 and stats["graph_breaks"] == 0, stats
     entry = _entry()
-    assert entry.served_by == "compiled" and entry.eager_runs == 0 and entry.compiled_median_s == 0.0, entry
+    assert (
+        entry.eager_if_faster_choice == "compiled"
+        and entry.eager_runs == 0
+        and entry.compiled_median_s == 0.0
+    ), entry
 
 
 def test_only_plain_backwards_are_timed(backend: str) -> None:
@@ -269,9 +278,9 @@ def test_only_plain_backwards_are_timed(backend: str) -> None:
     )
     comparison.assert_ok()
     stats = comparison.stats
-    assert stats["cache_hits"] == STEPS - 1 and stats["eager_by_choice"] == 0, stats
+    assert stats["cache_hits"] == STEPS - 1 and stats["eager_if_faster_runs"] == 0, stats
     assert stats["eager_fallbacks"] == 0 and stats["graph_breaks"] == 0, stats
-    assert _entry().served_by == "compiled"
+    assert _entry().eager_if_faster_choice == "compiled"
 
 
 def test_the_choice_is_per_enable() -> None:
@@ -282,18 +291,18 @@ def test_the_choice_is_per_enable() -> None:
     with ca_runtime.enable(compiler_fn, eager_if_faster=False):
         for i in range(3):
             step(i)
-    assert _entry().served_by == "compiled" and ca_runtime.stats()["eager_by_choice"] == 0
+    assert _entry().eager_if_faster_choice == "compiled" and ca_runtime.stats()["eager_if_faster_runs"] == 0
     with ca_runtime.enable(compiler_fn, eager_if_faster=True):
         for i in range(STEPS - 1):  # the graph was captured and ran already
             step(i)
     stats = ca_runtime.stats()
-    assert _entry().served_by == "eager" and stats["eager_by_choice"] == TIMED + 3, stats
+    assert _entry().eager_if_faster_choice == "eager" and stats["eager_if_faster_runs"] == TIMED + 3, stats
     with ca_runtime.enable(compiler_fn, eager_if_faster=False):
         step(STEPS)
     after = ca_runtime.stats()
     assert (
         after["cache_hits"] == stats["cache_hits"] + 1
-        and after["eager_by_choice"] == stats["eager_by_choice"]
+        and after["eager_if_faster_runs"] == stats["eager_if_faster_runs"]
     )
     assert after["captures"] == 1 and after["eager_fallbacks"] == 0 and after["graph_breaks"] == 0, after
 
@@ -329,7 +338,7 @@ def test_the_schedule_alternates_and_times_again_later() -> None:
     assert ran_compiled == want
     stats = ca_runtime.stats()
     assert stats["captures"] == 1 and stats["cache_hits"] == WARMUP + 2 * TIMED, stats
-    assert stats["eager_by_choice"] == steps - 1 - WARMUP - 2 * TIMED, stats
+    assert stats["eager_if_faster_runs"] == steps - 1 - WARMUP - 2 * TIMED, stats
     assert stats["eager_fallbacks"] == 0 and stats["graph_breaks"] == 0, stats
 
 
@@ -347,7 +356,7 @@ def test_new_sizes_are_a_miss_while_eager_is_chosen(backend: str) -> None:
     stats = comparison.stats
     # The new batch size is captured again (its sizes made dynamic), not run eagerly.
     assert stats["captures"] == 2 and stats["eager_fallbacks"] == 0 and stats["graph_breaks"] == 0, stats
-    assert stats["eager_by_choice"] == TIMED + 3, stats
+    assert stats["eager_if_faster_runs"] == TIMED + 3, stats
 
 
 def test_a_users_error_on_the_eager_engine_is_eagers_and_changes_nothing() -> None:
@@ -364,7 +373,7 @@ def test_a_users_error_on_the_eager_engine_is_eagers_and_changes_nothing() -> No
     with ca_runtime.enable(compiler_fn, eager_if_faster=True):
         for i in range(STEPS):
             step(i)
-        assert _entry().served_by == "eager"
+        assert _entry().eager_if_faster_choice == "eager"
         before = ca_runtime.stats()
         fail[0] = True
         with pytest.raises(ValueError, match=r"^hook failed on purpose$"):
@@ -374,7 +383,10 @@ def test_a_users_error_on_the_eager_engine_is_eagers_and_changes_nothing() -> No
         got = [p.grad.clone() for p in model.parameters()]
     after = ca_runtime.stats()
     assert after["captures"] == before["captures"] == 1 and after["eager_fallbacks"] == 0, (before, after)
-    assert after["eager_by_choice"] == before["eager_by_choice"] + 2 and _entry().served_by == "eager"
+    assert (
+        after["eager_if_faster_runs"] == before["eager_if_faster_runs"] + 2
+        and _entry().eager_if_faster_choice == "eager"
+    )
     with ca_runtime.disable():
         torch.testing.assert_close(loss, step(STEPS + 1))
     for g, p in zip(got, model.parameters()):
@@ -399,7 +411,7 @@ def test_a_torch_compiled_regions_backward_is_not_timed_eagerly() -> None:
     )
     comparison.assert_ok()
     stats = comparison.stats
-    assert stats["eager_by_choice"] == 0 and stats["cache_hits"] == STEPS - 1, stats
+    assert stats["eager_if_faster_runs"] == 0 and stats["cache_hits"] == STEPS - 1, stats
     assert stats["eager_fallbacks"] == 0 and stats["graph_breaks"] == 0, stats
 
 
@@ -416,10 +428,10 @@ def test_the_default_runs_compiled_and_times_nothing() -> None:
     )
     comparison.assert_ok()
     stats = comparison.stats
-    assert stats["captures"] == 1 and stats["cache_hits"] == STEPS - 1 and stats["eager_by_choice"] == 0, (
-        stats
-    )
-    assert _entry().served_by == "compiled" and _entry().compiled_median_s == 0.0
+    assert (
+        stats["captures"] == 1 and stats["cache_hits"] == STEPS - 1 and stats["eager_if_faster_runs"] == 0
+    ), stats
+    assert _entry().eager_if_faster_choice == "compiled" and _entry().compiled_median_s == 0.0
 
 
 def test_deterministic_algorithms_turn_the_timing_off_with_one_warning() -> None:
@@ -439,9 +451,9 @@ def test_deterministic_algorithms_turn_the_timing_off_with_one_warning() -> None
     finally:
         torch.use_deterministic_algorithms(False)
     stats = ca_runtime.stats()
-    assert stats["captures"] == 1 and stats["cache_hits"] == STEPS - 1 and stats["eager_by_choice"] == 0, (
-        stats
-    )
+    assert (
+        stats["captures"] == 1 and stats["cache_hits"] == STEPS - 1 and stats["eager_if_faster_runs"] == 0
+    ), stats
     (warning,) = [w for w in caught if "use_deterministic_algorithms" in str(w.message)]
     assert warning.filename == __file__, warning.filename  # the user's `with enable(...)` line
 
@@ -467,14 +479,16 @@ def test_a_graph_on_an_asynchronous_device_is_not_timed() -> None:
 
     stats, grads = run("meta")
     assert stats["captures"] == 1 and stats["eager_fallbacks"] == 0, stats
-    assert stats["cache_hits"] == STEPS - 1 and stats["eager_by_choice"] == 0, stats
-    assert _entry().served_by == "compiled" and _entry().eager_runs == 0
+    assert stats["cache_hits"] == STEPS - 1 and stats["eager_if_faster_runs"] == 0, stats
+    assert _entry().eager_if_faster_choice == "compiled" and _entry().eager_runs == 0
     assert all(g is not None and g.device.type == "meta" and g.shape == (8, 8) for g in grads)
     stats, _ = run("cpu")
-    assert stats["eager_by_choice"] == TIMED + 3, stats
+    assert stats["eager_if_faster_runs"] == TIMED + 3, stats
 
 
-def test_served_by_is_ca_cores_member_for_member() -> None:
-    """``CacheEntry.served_by`` (a ``ServedBy``, equal to its string) is made of ``ca_core.ServedBy`` by name."""
-    assert [ca_runtime.ServedBy.of(m) for m in ca_core.ServedBy] == list(ca_runtime.ServedBy)
-    assert [str(m) for m in ca_runtime.ServedBy] == ["", "compiled", "eager"]
+def test_eager_if_faster_choice_is_ca_cores_member_for_member() -> None:
+    """``CacheEntry.eager_if_faster_choice`` (a ``EagerIfFasterChoice``, equal to its string) is made of ``ca_core.EagerIfFasterChoice`` by name."""
+    assert [ca_runtime.EagerIfFasterChoice.of(m) for m in ca_core.EagerIfFasterChoice] == list(
+        ca_runtime.EagerIfFasterChoice
+    )
+    assert [str(m) for m in ca_runtime.EagerIfFasterChoice] == ["", "compiled", "eager"]

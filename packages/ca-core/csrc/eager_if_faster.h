@@ -1,7 +1,7 @@
-// hit_choice.h — whether a cache entry's hits run its compiled graph or the
-// eager engine, chosen by timing both (HitChoice), and the backwards served
+// eager_if_faster.h — whether a cache entry's hits run its compiled graph or the
+// eager engine, chosen by timing both (EagerIfFaster), and the backwards served
 // eagerly by that choice without a walk (GraphFingerprint); see [Note: Eager
-// when it is faster] and [Note: Eager without the walk] in hit_choice.cpp.
+// when it is faster] and [Note: Eager without the walk] in eager_if_faster.cpp.
 #pragma once
 
 #include <cstddef>
@@ -20,7 +20,7 @@ namespace ca {
 struct ShadowNode;
 
 /*
-[Note: Eager when it is faster]
+[Note: Eager if faster]
 A compiled graph is not always faster than the eager engine: on the
 benchmark's small MLP, ours with Inductor's graph ran slower than eager
 (figures: bench/LOG.md, 2026-12-01). So each cache entry times both ways and
@@ -37,7 +37,7 @@ serves its hits the faster way:
     Compiled is timed from the start of the walk to the end of finish(),
     eager as the engine's whole run: a backward served eagerly is mostly
     recognised without a walk (see [Note: Eager without the walk] in
-    hit_choice.cpp);
+    eager_if_faster.cpp);
   - the entry runs compiled from then on only if compiled is faster by
     more than kCompiledMargin, judged by the median of the paired ratios
     (the k-th timed compiled run over the k-th timed eager run, neighbours
@@ -59,13 +59,13 @@ serves its hits the faster way:
 A backward served eagerly is the eager engine's own run, as for a graph
 still compiling (see [Note: Eager while compiling]): nothing is lifted or
 freed early, hooks run where eager runs them, and at most the walk is paid
-on top. Counted in eager_by_choice, not as a hit. The runtime says per capture
-whether its graph may be served so (capture()'s `may_run_eagerly`: not a
+on top. Counted in eager_if_faster_runs, not as a hit. The runtime says per capture
+whether its graph may be served so (capture()'s `eager_if_faster_allowed`: not a
 graph holding a torch.compile'd region's backward, not one captured in a
 multi-rank process group) and, for the enable() installed now, whether any
 may (its `eager_if_faster`; under False every graph runs compiled and
 nothing is counted). It is told of each choice through the optional
-report_choice(). A new capture at the entry starts the count again.
+report_eager_if_faster(). A new capture at the entry starts the count again.
 Backwards on several threads at one entry time and count in turn under
 the GIL; their runs overlap, so their timings are only as good as the
 machine is quiet.
@@ -75,8 +75,8 @@ how long the kernels take to launch, not to run, and pick the way that
 launches faster; such a graph runs compiled on every hit, as under
 eager_if_faster=False (engine_hook.cpp's capture(), lifts_only_cpu_tensors).
 */
-/// How one cache entry serves its hits; see [Note: Eager when it is faster].
-struct HitChoice {
+/// How one cache entry serves its hits; see [Note: Eager if faster].
+struct EagerIfFaster {
   /// Backwards run compiled, untimed, before the first measurement.
   static constexpr uint64_t kWarmupRuns = 4;
   /// Timed backwards per way in one measurement, and the step by which an
@@ -97,7 +97,7 @@ struct HitChoice {
   /// How the next backward at the entry runs.
   enum class Serve { kCompiled, kEager, kTimeCompiled, kTimeEager };
 
-  /// The capture allowed eager runs (capture()'s `may_run_eagerly`).
+  /// The capture allowed eager runs (capture()'s `eager_if_faster_allowed`).
   bool eligible = false;
   /// The last measurement chose the eager engine.
   bool eager = false;
@@ -122,8 +122,8 @@ struct HitChoice {
   /// Backwards run on the eager engine at this entry by choice or to time it.
   uint64_t eager_runs = 0;
 
-  /// Back to a fresh capture's state; `may_run_eagerly` from capture().
-  void reset(bool may_run_eagerly);
+  /// Back to a fresh capture's state; `eager_if_faster_allowed` from capture().
+  void reset(bool eager_if_faster_allowed);
   /// Counts one backward at a ready entry and says how it runs; `plain`: it
   /// may be timed (no retain_graph, no create_graph).
   Serve next(bool plain);
@@ -136,7 +136,7 @@ struct HitChoice {
   /// then set `eager` and the medians.
   bool record(bool eager_run, uint64_t ns);
 
-  /// What one measurement decides; see [Note: Eager when it is faster].
+  /// What one measurement decides; see [Note: Eager if faster].
   struct Decision {
     /// Run on the eager engine: compiled is not faster by kCompiledMargin.
     bool eager = true;
