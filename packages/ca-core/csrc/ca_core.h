@@ -256,6 +256,9 @@ struct ShadowNode {
   nb::object compiling;
   /// Backwards served by compiled_fn.
   uint64_t hits = 0;
+  /// Backwards that reached this entry without a graph and ran eagerly because
+  /// the runtime deferred their capture; see [Note: Deferred captures].
+  uint32_t sightings = 0;
   /// Walk index of each AccumulateGrad node whose grad the graph returns
   /// (after the torch.autograd.grad outputs), in output order; the others
   /// were accumulated inside the graph.

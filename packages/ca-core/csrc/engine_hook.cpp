@@ -105,6 +105,9 @@ struct Counters {
   /// Of eager_if_faster_runs: served without a walk; see [Note: Eager without the walk].
   std::atomic<uint64_t> eager_if_faster_without_walk{0};
   std::atomic<uint64_t> nodes_put_back{0};
+  /// Backwards run eagerly because the runtime deferred their capture; see
+  /// [Note: Deferred captures].
+  std::atomic<uint64_t> deferred_captures{0};
 };
 Counters g_counters;
 
@@ -127,6 +130,7 @@ constexpr CounterField kCounterFields[] = {
     {"eager_if_faster_runs", &Counters::eager_if_faster_runs},
     {"eager_if_faster_without_walk", &Counters::eager_if_faster_without_walk},
     {"nodes_put_back", &Counters::nodes_put_back},
+    {"deferred_captures", &Counters::deferred_captures},
 };
 static_assert(
     sizeof(Counters) == std::size(kCounterFields) * sizeof(std::atomic<uint64_t>),
@@ -798,6 +802,40 @@ class RunningHooksGuard {
   PyObject* prior_;
 };
 
+/*
+[Note: Deferred captures]
+A capture costs seconds (Dynamo, AOTAutograd, Inductor) where an eager
+backward costs milliseconds, so a program whose backwards each run once (an
+evaluation script, a notebook, gradcheck's perturbed graphs) pays far more
+for them than eager would, for hits that never come. Before capturing at an
+entry without a graph, the engine hook asks the runtime's optional
+`defer_capture(sightings)` (sightings: the backwards this entry has deferred
+before); if it answers True, this backward runs on the eager engine, the
+entry's `sightings` goes up and deferred_captures counts it. Nothing else
+changes: the entry is not failed, and its next backward asks again. The
+runtime's rules (ca_runtime's [Note: Which captures wait]) read nothing but
+the count and the Python stack, so the choice is the same on every run of a
+program. A runtime without the method captures at once.
+*/
+
+/// Whether the runtime defers this backward's capture (it then runs eagerly);
+/// see [Note: Deferred captures].
+bool defers_capture(BackwardRun& run) {
+  nb::object defer = nb::getattr(run.runtime, "defer_capture", nb::none());
+  if (defer.is_none()) {
+    return false;
+  }
+  const uint32_t sightings = run.entry_alive() ? run.entry->sightings : 0;
+  if (!nb::cast<bool>(defer(sightings))) {
+    return false;
+  }
+  ++g_counters.deferred_captures;
+  if (run.entry_alive()) {
+    ++run.entry->sightings;
+  }
+  return true;
+}
+
 /// Step 3: captures the backward into its entry; false if the capture failed.
 bool capture(BackwardRun& run) {
   BackwardState& state = *run.state;
@@ -1117,6 +1155,10 @@ variable_list compiled_backward_with_gil(
   if (auto done = lookup(run)) {
     return std::move(*done);
   }
+  if (!run.compiled.is_valid() && defers_capture(run)) {
+    // See [Note: Deferred captures]: not a fallback.
+    return run.eager_after_walk();
+  }
   ScopedSlot<BackwardState> active(active_backward(), run.state.get());
   InterfaceScope interface;
   if (!run.compiled.is_valid() && !capture(run)) {
@@ -1321,7 +1363,8 @@ void register_engine_hook(nb::module_& m) {
       "eager_if_faster_runs (see [Note: Eager if faster]), "
       "eager_if_faster_without_walk (those of eager_if_faster_runs served without a walk, see "
       "[Note: Eager without the walk]) and "
-      "nodes_put_back (see [Note: Freed saved tensors put back]) since the "
+      "nodes_put_back (see [Note: Freed saved tensors put back]) and "
+      "deferred_captures (see [Note: Deferred captures]) since the "
       "last reset_counters().");
   m.def(
       "reset_counters",

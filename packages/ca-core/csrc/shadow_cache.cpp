@@ -277,6 +277,7 @@ void ShadowNode::clear() {
   first_run = true;
   release_later(compiling);
   hits = 0;
+  sightings = 0;
   eager_if_faster.reset(false);
   leaf_outputs.clear();
   leaf_hooks_only.clear();

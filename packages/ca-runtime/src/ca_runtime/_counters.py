@@ -97,6 +97,12 @@ COUNTERS: tuple[Counter, ...] = (
         "of eager_if_faster_runs, those recognised without walking the graph",
         _core("eager_if_faster_without_walk"),
     ),
+    Counter(
+        "deferred_captures",
+        "backwards run on the eager engine before their graph is captured: the first ones under "
+        "enable(capture_after=N), and those gradcheck and gradgradcheck run",
+        _core("deferred_captures"),
+    ),
 )
 
 

@@ -190,13 +190,19 @@ class _EnableContext(_HookContext):
         compiler_fn: CompilerFn | str,
         compile_in_background: bool = False,
         eager_if_faster: bool = False,
+        capture_after: int = 1,
     ) -> None:
         if not isinstance(eager_if_faster, bool):
             raise TypeError(f"eager_if_faster must be a bool, got {type(eager_if_faster).__name__}")
+        if not isinstance(capture_after, int) or isinstance(capture_after, bool):
+            raise TypeError(f"capture_after must be an int, got {type(capture_after).__name__}")
+        if capture_after < 1:
+            raise ValueError(f"capture_after must be at least 1, got {capture_after}")
         self._compiler_fn = compiler_fn
         self._compiler = _resolve_compiler(compiler_fn, compile_in_background)
         self._compile_in_background = compile_in_background
         self._eager_if_faster = eager_if_faster
+        self._capture_after = capture_after
         self._entered = False  # set last: a rejected compiler_fn does not warn
 
     def _install(self) -> Runtime:
@@ -205,6 +211,7 @@ class _EnableContext(_HookContext):
         runtime = Runtime(self._compiler, shown_as=self._compiler_fn)
         runtime.compiler_key = compiler_key(self._compiler_fn, self._compile_in_background)
         runtime.eager_if_faster = self._eager_if_faster and not _deterministic_refuses_timing()
+        runtime.capture_after = self._capture_after
         ca_core.install_engine_hook(runtime, runtime.compiler_key)
         return runtime
 
@@ -258,7 +265,11 @@ def _deterministic_refuses_timing() -> bool:
 
 
 def enable(
-    compiler_fn: CompilerFn | str, *, compile_in_background: bool = False, eager_if_faster: bool = False
+    compiler_fn: CompilerFn | str,
+    *,
+    compile_in_background: bool = False,
+    eager_if_faster: bool = False,
+    capture_after: int = 1,
 ) -> _EnableContext:
     """Compiles every ``backward()``/``autograd.grad`` inside the context.
 
@@ -275,7 +286,11 @@ def enable(
     graph is timed against the eager engine over a few of its cache hits,
     and its backwards run on the eager engine if that was faster (timed
     again later; see [Note: Eager if faster] in ca_core and
-    ``cache_info()``). Use it as ``with
+    ``cache_info()``). With ``capture_after=N`` a graph is captured on its
+    N-th backward and the ones before run on the eager engine, for programs
+    whose backwards mostly run once; backwards run by
+    ``torch.autograd.gradcheck``/``gradgradcheck`` are never captured (see
+    [Note: Which captures wait]). Use it as ``with
     enable(...) as runtime:``; on exit, by return or by exception, the engine
     hook that was active before is restored (see [Note: Restoring the engine
     hook]). A call that is never entered warns.
@@ -284,7 +299,7 @@ def enable(
     on any thread is compiled. Contexts opened on several threads may exit in
     any order; see [Note: Contexts entered on several threads].
     """
-    return _EnableContext(compiler_fn, compile_in_background, eager_if_faster)
+    return _EnableContext(compiler_fn, compile_in_background, eager_if_faster, capture_after)
 
 
 def disable() -> _DisableContext:

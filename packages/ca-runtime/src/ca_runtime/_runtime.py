@@ -35,6 +35,8 @@ which mypy checks ``Runtime`` against):
   timed its hits both ways and chose (logged at INFO). Optional, as is the
   attribute ``eager_if_faster`` that ca_core reads at install (absent: off).
 - ``report_fallback(node, reason)``: ca_core could not even walk the graph.
+- ``defer_capture(sightings)``: asked before each capture; True runs this
+  backward eagerly and captures later (see [Note: Which captures wait]).
 - ``proxy_call_backward(...)``: torch's PyNode calls this on the installed
   compiler object when a Python Function's node is applied through
   ``apply_with_saved`` (only behind a graph break, see
@@ -53,8 +55,10 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import sys
 import threading
 import time
+import types
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -257,6 +261,20 @@ def _backward_inductor_options() -> Iterator[None]:
         revert()
 
 
+#: The file of torch.autograd.gradcheck and gradgradcheck; see [Note: Which captures wait].
+_GRADCHECK_FILE = torch.autograd.gradcheck.__code__.co_filename
+
+
+def _inside_gradcheck() -> bool:
+    """Whether this thread's Python stack runs gradcheck or gradgradcheck; see [Note: Which captures wait]."""
+    frame: types.FrameType | None = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_filename == _GRADCHECK_FILE:
+            return True
+        frame = frame.f_back
+    return False
+
+
 class Runtime:
     """Serves one ``enable()`` context: its compiler and its last captured graph."""
 
@@ -273,9 +291,34 @@ class Runtime:
         #: Read by ca_core at install: cache entries may serve their hits on
         #: the eager engine where it measures faster (``enable(eager_if_faster=)``).
         self.eager_if_faster = False
+        #: A key path is captured on its capture_after-th backward (``enable(capture_after=)``);
+        #: see [Note: Which captures wait].
+        self.capture_after = 1
         #: Per thread: the report record of the capture whose first run is due
         #: (``pending``) or failed (``failed_first_run``); see _report/records.py.
         self._records = threading.local()
+
+    def defer_capture(self, sightings: int) -> bool:
+        """[Note: Which captures wait]
+        Whether a backward at a cache entry without a graph runs eagerly
+        instead of being captured now (see [Note: Deferred captures] in
+        ca_core, which counts ``sightings``, the backwards the entry deferred
+        before). Two rules, both reading nothing that varies between runs of
+        a program:
+
+        - ``enable(capture_after=N)``: a key path is captured on its N-th
+          backward; the N - 1 before run eagerly. The default, 1, captures at
+          once. 2 suits programs whose backwards mostly run once (an
+          evaluation script, a notebook): a graph that comes back is captured
+          the second time, so a training loop pays one eager step per graph.
+        - A backward that ``torch.autograd.gradcheck`` or ``gradgradcheck``
+          runs is never captured: each of their perturbed inputs builds a
+          new graph that runs once (the numerical Jacobian), so capturing
+          them costs seconds each for no hit, and what they check is the
+          nodes' derivative formulas, which the eager engine runs too. A
+          backward of an entry captured before still hits its graph there.
+        """
+        return sightings + 1 < self.capture_after or _inside_gradcheck()
 
     def capture(self, graph: ca_core.BackwardGraph) -> ca_core.CapturedGraph | None:
         record = records.begin_capture(graph, self.compiler_key)

@@ -1,0 +1,157 @@
+"""Captures that wait: ``enable(capture_after=N)`` and backwards gradcheck runs.
+
+See [Note: Which captures wait] (ca_runtime) and [Note: Deferred captures]
+(ca_core). Eager autograd is the oracle: a deferred backward runs on the
+eager engine, so its grads, ``.grad`` and hook calls are eager's; the later
+ones are captured and served from the cache as without the option.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ca_runtime
+import pytest
+import torch
+from ca_testkit import compare
+
+BACKENDS = ("eager", "aot_eager")
+
+
+def _step(i: int) -> Any:
+    """A training-like step with fresh leaves (one key path every step), a tensor hook and a post-accumulate hook."""
+    gen = torch.Generator().manual_seed(i)
+    w = torch.randn(4, 3, generator=gen).requires_grad_()
+    x = torch.randn(5, 4, generator=gen)
+    calls: list[str] = []
+
+    def doubled(g: torch.Tensor) -> torch.Tensor:
+        calls.append("tensor")
+        return g * 2
+
+    def halve_grad(p: torch.Tensor) -> None:
+        calls.append("post-acc")
+        p.grad.mul_(0.5)
+
+    h = (x @ w).tanh()
+    h.register_hook(doubled)
+    w.register_post_accumulate_grad_hook(halve_grad)
+    (h.square().sum() + w.sin().sum()).backward()
+    return w.grad, torch.tensor(len(calls)), torch.tensor(calls.index("post-acc"))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_capture_after_2_runs_the_first_backward_eagerly_then_captures_and_hits(backend: str) -> None:
+    result = compare(_step, backend, steps=4, impl="ca-capture-after-2")
+    result.assert_ok()
+    stats = result.stats
+    assert (stats["deferred_captures"], stats["captures"], stats["cache_hits"]) == (1, 1, 2), stats
+    assert stats["eager_fallbacks"] == 0, stats
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_capture_after_1_is_the_default_and_captures_at_once(backend: str) -> None:
+    result = compare(_step, backend, steps=3)
+    result.assert_ok()
+    stats = result.stats
+    assert (stats["deferred_captures"], stats["captures"], stats["cache_hits"]) == (0, 1, 2), stats
+
+
+@pytest.mark.parametrize("capture_after", [3, 5])
+def test_capture_after_n_defers_n_minus_1_backwards_with_eagers_grads_and_hooks(capture_after: int) -> None:
+    steps = capture_after + 2
+    with ca_runtime.disable():
+        eager = [_step(i) for i in range(steps)]
+    ca_runtime.reset()
+    with ca_runtime.enable("aot_eager", capture_after=capture_after):
+        ours = []
+        for i in range(steps):
+            ours.append(_step(i))
+            stats = ca_runtime.stats()
+            # Each backward as it happens: deferred, then one capture, then hits.
+            assert stats["deferred_captures"] == min(i + 1, capture_after - 1), (i, stats)
+            assert stats["captures"] == (1 if i + 1 >= capture_after else 0), (i, stats)
+    for (grad_e, calls_e, order_e), (grad_o, calls_o, order_o) in zip(eager, ours):
+        torch.testing.assert_close(grad_o, grad_e)
+        assert (int(calls_o), int(order_o)) == (int(calls_e), int(order_e))
+    assert ca_runtime.stats()["cache_hits"] == 2
+    assert ca_runtime.stats()["eager_fallbacks"] == 0
+
+
+def test_reset_forgets_sightings() -> None:
+    ca_runtime.reset()
+    with ca_runtime.enable("eager", capture_after=2):
+        _step(0)
+        ca_runtime.reset()
+        _step(1)
+        assert (ca_runtime.stats()["deferred_captures"], ca_runtime.stats()["captures"]) == (1, 0)
+        _step(2)
+        assert ca_runtime.stats()["captures"] == 1
+
+
+def _routine(a: torch.Tensor) -> torch.Tensor:
+    return (a.sin() * a).exp().sum(0, keepdim=True) * a.cos()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gradcheck_and_gradgradcheck_backwards_are_never_captured(backend: str) -> None:
+    def check(i: int) -> Any:
+        a = torch.randn(3, dtype=torch.float64, generator=torch.Generator().manual_seed(i)).requires_grad_()
+        return torch.tensor(
+            [torch.autograd.gradcheck(_routine, (a,)), torch.autograd.gradgradcheck(_routine, (a,))]
+        )
+
+    result = compare(check, backend, steps=2, expect_capture=False)
+    result.assert_ok()
+    stats = result.stats
+    assert stats["captures"] == 0 and stats["eager_fallbacks"] == 0, stats
+    assert stats["deferred_captures"] > 0, stats
+
+
+def test_a_graph_captured_before_gradcheck_still_hits_inside_it() -> None:
+    """A backward run inside gradcheck's frames (here from the checked function) whose graph was captured before."""
+    w = torch.randn(3, requires_grad=True)
+
+    def probe() -> None:
+        (w * w).sin().sum().backward()
+
+    def checked(a: torch.Tensor) -> torch.Tensor:
+        with torch.enable_grad():
+            probe()  # inside gradcheck: the cached graph serves it
+        return a.sin()
+
+    ca_runtime.reset()
+    with ca_runtime.enable("aot_eager"):
+        probe()  # w.grad is None: one key path
+        probe()  # w.grad is set: the key path gradcheck's probes take
+        assert (ca_runtime.stats()["captures"], ca_runtime.stats()["cache_hits"]) == (2, 0)
+        assert torch.autograd.gradcheck(checked, (torch.randn(2, dtype=torch.float64, requires_grad=True),))
+        stats = ca_runtime.stats()
+    assert stats["captures"] == 2 and stats["cache_hits"] > 0 and stats["deferred_captures"] > 0, stats
+    with ca_runtime.disable():
+        w2 = w.detach().requires_grad_()
+        for _ in range(2 + stats["cache_hits"]):
+            (w2 * w2).sin().sum().backward()
+        expected = w2.grad
+    torch.testing.assert_close(w.grad, expected)
+
+
+@pytest.mark.parametrize(
+    ("value", "error", "message"),
+    [
+        (0, ValueError, "capture_after must be at least 1, got 0"),
+        (-2, ValueError, "capture_after must be at least 1"),
+        ("2", TypeError, "capture_after must be an int, got str"),
+        (True, TypeError, "capture_after must be an int, got bool"),
+        (2.0, TypeError, "capture_after must be an int, got float"),
+    ],
+)
+def test_bad_capture_after_names_the_argument_and_keeps_the_hook(
+    value: Any, error: type, message: str
+) -> None:
+    with ca_runtime.enable("eager") as outer:
+        with pytest.raises(error, match=message):
+            ca_runtime.enable("eager", capture_after=value)
+        import ca_core
+
+        assert ca_core.installed_runtime() is outer
