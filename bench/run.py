@@ -58,8 +58,8 @@ from torch._dynamo.utils import counters
 IMPLS = ("eager", "torch", "ours", "ours-compiled")
 #: Backwards after which each of ours' cache entries has timed its graph
 #: against the eager engine and chosen (a first run, 4 untimed hits, 8 timed
-#: runs each way, up to 24 while undecided; see [Note: Eager when it is
-#: faster] in ca_core), plus one.
+#: runs each way, up to 24 while undecided; see [Note: Eager if faster]
+#: in ca_core), plus one.
 CHOICE_RUNS = 1 + 4 + 2 * 24 + 1
 Compiler = Callable[[torch.fx.GraphModule], Callable[..., Any]]
 

@@ -1,6 +1,6 @@
 // eager_if_faster.cpp — the schedule and the decision of EagerIfFaster: when a cache
-// entry times its hits both ways and which way wins (see [Note: Eager when it
-// is faster]); and the backwards its choice of eager serves without a walk,
+// entry times its hits both ways and which way wins (see [Note: Eager if
+// faster]); and the backwards its choice of eager serves without a walk,
 // recognised by their GraphTask's fingerprint (see [Note: Eager without the
 // walk]). The engine hook (engine_hook.cpp) acts on both.
 #include "eager_if_faster.h"

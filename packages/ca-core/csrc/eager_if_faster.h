@@ -1,7 +1,7 @@
 // eager_if_faster.h — whether a cache entry's hits run its compiled graph or the
 // eager engine, chosen by timing both (EagerIfFaster), and the backwards served
 // eagerly by that choice without a walk (GraphFingerprint); see [Note: Eager
-// when it is faster] and [Note: Eager without the walk] in eager_if_faster.cpp.
+// if faster] and [Note: Eager without the walk] in eager_if_faster.cpp.
 #pragma once
 
 #include <cstddef>

@@ -709,13 +709,27 @@ RunRef run_ref(int64_t code, uint32_t num_registers) {
   return {RunRef::Kind::kRegister, static_cast<uint32_t>(reg)};
 }
 
-using RunStepSpec = std::tuple<
-    uint32_t, std::vector<int64_t>, std::vector<int64_t>, int64_t, int64_t, int64_t, uint32_t>;
+/// One node of a run as ca_runtime describes it to plan_node_run
+/// (ca_core.NodeRunStep); see [Note: Runs of nodes in one call].
+struct NodeRunStep {
+  /// The node's index in the walk (as apply_node's node_idx).
+  uint32_t node_idx = 0;
+  /// Its input grads as refs (see run_ref).
+  std::vector<int64_t> grads;
+  /// Its saved tensors as refs (see run_ref).
+  std::vector<int64_t> saved;
+  /// Indices into the call's `others` of apply_sizes, saved_scalars and
+  /// validate_sizes; -1 for None.
+  int64_t apply_sizes = -1, scalars = -1, validate_sizes = -1;
+  /// How many output grads the graph reads of it (registers it fills).
+  uint32_t num_outputs = 0;
+};
 
-uint32_t plan_node_run(const std::vector<RunStepSpec>& specs, const std::vector<int64_t>& results) {
+uint32_t plan_node_run(const std::vector<NodeRunStep>& specs, const std::vector<int64_t>& results) {
   auto plan = std::make_unique<NodeRunPlan>();
   std::vector<int64_t> last_read;  // per register: the last step reading it
-  for (const auto& [node_idx, grads, saved, apply_sizes, scalars, validate_sizes, num_outputs] : specs) {
+  for (const NodeRunStep& spec : specs) {
+    const auto& [node_idx, grads, saved, apply_sizes, scalars, validate_sizes, num_outputs] = spec;
     RunStep step;
     step.node_idx = node_idx;
     const auto step_idx = static_cast<int64_t>(plan->steps.size());
@@ -942,17 +956,48 @@ void register_node_apply(nb::module_& m) {
       nb::arg("validate_sizes").none(),
       "apply_with_saved then validate_outputs in one call; see "
       "[Note: One call per node].");
+  nb::class_<NodeRunStep>(
+      m,
+      "NodeRunStep",
+      "One node of a run for plan_node_run; see [Note: Runs of nodes in one call]. grads and "
+      "saved_tensors are refs (>= 0: tensors[ref], -1: None, <= -2: output register -ref - 2, "
+      "registers numbered by step then output); apply_sizes, saved_scalars and validate_sizes "
+      "are indices into apply_nodes' `others` (-1: None).")
+      .def(
+          "__init__",
+          [](NodeRunStep* self,
+             uint32_t node_idx,
+             std::vector<int64_t> grads,
+             std::vector<int64_t> saved,
+             int64_t apply_sizes,
+             int64_t scalars,
+             int64_t validate_sizes,
+             uint32_t num_outputs) {
+            new (self) NodeRunStep{
+                node_idx, std::move(grads), std::move(saved), apply_sizes, scalars, validate_sizes, num_outputs};
+          },
+          nb::kw_only(),
+          nb::arg("node_idx"),
+          nb::arg("grads"),
+          nb::arg("saved_tensors"),
+          nb::arg("apply_sizes"),
+          nb::arg("saved_scalars"),
+          nb::arg("validate_sizes"),
+          nb::arg("num_outputs"))
+      .def_ro("node_idx", &NodeRunStep::node_idx)
+      .def_ro("grads", &NodeRunStep::grads)
+      .def_ro("saved_tensors", &NodeRunStep::saved)
+      .def_ro("apply_sizes", &NodeRunStep::apply_sizes)
+      .def_ro("saved_scalars", &NodeRunStep::scalars)
+      .def_ro("validate_sizes", &NodeRunStep::validate_sizes)
+      .def_ro("num_outputs", &NodeRunStep::num_outputs);
   m.def(
       "plan_node_run",
       &plan_node_run,
       nb::arg("steps"),
       nb::arg("results"),
-      "Registers the plan of a run of nodes for apply_nodes and returns its "
-      "id; see [Note: Runs of nodes in one call]. Each step is (node_idx, "
-      "grads, saved_tensors, apply_sizes, saved_scalars, validate_sizes, "
-      "num_outputs): grads and saved_tensors as refs (>= 0: tensors[ref], "
-      "-1: None, <= -2: output register -ref - 2, registers numbered by step "
-      "then output), the three others as indices into `others` (-1: None). "
+      "Registers the plan of a run of nodes (NodeRunSteps, in order) for "
+      "apply_nodes and returns its id; see [Note: Runs of nodes in one call]. "
       "`results` are the register refs apply_nodes returns.");
   m.def(
       "release_node_run_plans",

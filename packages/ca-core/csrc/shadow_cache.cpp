@@ -531,7 +531,7 @@ uint64_t next_shadow_node_id() {
 namespace {
 
 /// How a cache entry's hits run, as cache_tree() shows it; see [Note: Eager
-/// when it is faster].
+/// if faster].
 enum class EagerIfFasterChoice : uint8_t {
   /// No graph at this node.
   none,

@@ -85,7 +85,7 @@ def test_walk_describes_nodes_in_eager_order_and_remembers_failure() -> None:
 
 #: (compiled_ns, eager_ns, expected eager, compiled_over_eager, undecided): a
 #: tie and a gain under 1 % go to eager; within 3 % of a tie, fewer than 24
-#: pairs are undecided (the entry times 8 more); see [Note: Eager when it is
+#: pairs are undecided (the entry times 8 more); see [Note: Eager if
 #: faster].
 _DECISIONS = {
     "tie, 8 pairs": ([1000] * 8, [1000] * 8, True, 1.0, True),

@@ -162,15 +162,44 @@ def test_backward_twice_after_put_back_raises_eagers_error(python_compiler: str 
     assert ours == ours_later == eager_error
 
 
+def _step(node_idx: int, grads: list[int], num_outputs: int) -> ca_core.NodeRunStep:
+    """A step without saved tensors, sizes or scalars."""
+    return ca_core.NodeRunStep(
+        node_idx=node_idx,
+        grads=grads,
+        saved_tensors=[],
+        apply_sizes=-1,
+        saved_scalars=-1,
+        validate_sizes=-1,
+        num_outputs=num_outputs,
+    )
+
+
+def test_node_run_step_is_a_named_type() -> None:
+    step = ca_core.NodeRunStep(
+        node_idx=3,
+        grads=[0, -2],
+        saved_tensors=[-1],
+        apply_sizes=0,
+        saved_scalars=-1,
+        validate_sizes=1,
+        num_outputs=2,
+    )
+    assert (step.node_idx, step.grads, step.saved_tensors, step.num_outputs) == (3, [0, -2], [-1], 2)
+    assert (step.apply_sizes, step.saved_scalars, step.validate_sizes) == (0, -1, 1)
+    with pytest.raises(TypeError):
+        ca_core.NodeRunStep(3, [0], [], -1, -1, -1, 1)  # type: ignore[misc]  # keywords only
+
+
 def test_plan_node_run_rejects_reading_a_later_register() -> None:
     with pytest.raises(ValueError, match="register no earlier node fills"):
-        ca_core.plan_node_run([(0, [-2], [], -1, -1, -1, 1)], [-2])
+        ca_core.plan_node_run([_step(0, [-2], 1)], [-2])
     with pytest.raises(ValueError, match="results must be outputs"):
-        ca_core.plan_node_run([(0, [0], [], -1, -1, -1, 1)], [0])
+        ca_core.plan_node_run([_step(0, [0], 1)], [0])
 
 
 def test_apply_nodes_outside_a_backward_is_a_clear_error() -> None:
-    plan = ca_core.plan_node_run([(0, [0], [], -1, -1, -1, 1)], [-2])
+    plan = ca_core.plan_node_run([_step(0, [0], 1)], [-2])
     with pytest.raises(RuntimeError, match="no compiled backward is running"):
         ca_core.apply_nodes(plan, [torch.ones(1)], [])
     with pytest.raises(ValueError, match="no plan"):

@@ -78,7 +78,7 @@ class _Plan:
         self.tensors: list[torch.fx.Node] = []
         self._tensor_index: dict[torch.fx.Node, int] = {}
         self.others: list[Any] = []
-        self.steps: list[tuple[int, list[int], list[int], int, int, int, int]] = []
+        self.steps: list[ca_core.NodeRunStep] = []
         for member in run:
             self._add(member)
 
@@ -109,14 +109,14 @@ class _Plan:
         for j in range(num_outputs):
             self.registers[(member, j)] = first + j
         self.steps.append(
-            (
-                cast(int, node_idx),
-                grads,
-                saved_refs,
-                self._other(apply_sizes),
-                self._other(scalars),
-                self._other(validate_sizes),
-                num_outputs,
+            ca_core.NodeRunStep(
+                node_idx=cast(int, node_idx),
+                grads=grads,
+                saved_tensors=saved_refs,
+                apply_sizes=self._other(apply_sizes),
+                saved_scalars=self._other(scalars),
+                validate_sizes=self._other(validate_sizes),
+                num_outputs=num_outputs,
             )
         )
 
