@@ -54,3 +54,17 @@ def test_a_nodes_error_under_vmap_after_a_hook_ran() -> None:
     with pytest.raises(RuntimeError, match=r"vmap: Calling Tensor\.as_strided is not supported"):
         torch.autograd.grad(c.sum(), [x], torch.tensor(GRAD_OUTPUTS), is_grads_batched=True)
     assert calls == [(0, 4)]
+
+
+def test_a_failing_copy_slices_under_vmap_runs_no_unpack_hook() -> None:
+    """CopySlices slices its grad before its inner node unpacks the saved tensors: the slicing raises first."""
+    log: list[str] = []
+    x = torch.zeros(0, 4, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(
+        lambda t: log.append("pack") or t, lambda t: log.append("unpack") or t
+    ):
+        c = x * 1.0
+        c[:, :2].mul_(x[:, 2:] + 1.0)
+    with pytest.raises(RuntimeError, match=r"vmap: Calling Tensor\.as_strided is not supported"):
+        torch.autograd.grad(c.sum(), [x], torch.tensor(GRAD_OUTPUTS), is_grads_batched=True)
+    assert log == ["pack", "pack"]

@@ -10,10 +10,13 @@ hook, and the values are eager's.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
+import ca_runtime
 import pytest
 import torch
+from ca_runtime._report.model import build_report_data
 from ca_testkit import compare
 from torch.utils.checkpoint import checkpoint
 
@@ -93,3 +96,82 @@ def test_a_nodes_own_error_after_a_hook_ran_is_eagers_and_the_hook_runs_once(bac
     # The error left the cache usable: the full-size graph was captured, then hit.
     assert result.stats["captures"] == 2 and result.stats["cache_hits"] == 1, result.stats
     assert result.stats["eager_fallbacks"] == 0, result.stats
+
+
+def _in_place_on_a_view_under_saved_tensor_hooks(
+    rows: int, batched: str, unpack_kind: str
+) -> Callable[[int], object]:
+    """CopySlices whose inner node's saved tensors have unpack hooks; the step returns grads or eager's error, and the hook log."""
+
+    def step(i: int) -> object:
+        log: list[str] = []
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            log.append(f"pack {tuple(t.shape)}")
+            return t
+
+        def logged_unpack(tag: str, t: torch.Tensor) -> torch.Tensor:
+            log.append(f"unpack {tuple(t.shape)}")
+            return t
+
+        # A partial is not inlined by Dynamo: its calls run behind a graph break of ours.
+        def unpack(t: torch.Tensor) -> torch.Tensor:
+            return logged_unpack("traced", t)
+
+        if unpack_kind == "skipped":
+            unpack = functools.partial(logged_unpack, "skipped")
+        x = torch.linspace(-1.0, 1.0, rows * 4).reshape(rows, 4).requires_grad_()
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            c = x * 1.0
+            c[:, :2].mul_(x[:, 2:] + 1.0)
+        v = torch.tensor([1.0, -0.5])
+        try:
+            if batched == "is_grads_batched":
+                (grad,) = torch.autograd.grad(c.sum(), x, v, is_grads_batched=True)
+            elif batched == "func_vmap":
+                (grad,) = torch.func.vmap(lambda u: torch.autograd.grad(c.sum(), x, u, retain_graph=True))(v)
+            else:
+                (grad,) = torch.autograd.grad(c.sum(), x)
+        except RuntimeError as e:
+            return str(e)[:60], log
+        return grad, log
+
+    return step
+
+
+def test_copy_slices_failing_under_vmap_runs_no_unpack_hook(backend: str) -> None:
+    """Eager's CopySlices slices its grad before its inner node unpacks: on an empty tensor under the legacy vmap the slicing raises first."""
+    step = _in_place_on_a_view_under_saved_tensor_hooks(0, "is_grads_batched", "traced")
+    with ca_runtime.disable():
+        error, log = step(0)
+    assert "as_strided is not supported" in error and not any(e.startswith("unpack") for e in log)
+    result = compare(step, backend, steps=2, expect_capture=False)
+    result.assert_ok()  # the same error and the same hook log, every step
+    assert result.stats["eager_fallbacks"] == 0, result.stats
+
+
+@pytest.mark.parametrize(
+    ("batched", "unpack_kind"), [("is_grads_batched", "traced"), ("func_vmap", "traced"), ("none", "skipped")]
+)
+def test_copy_slices_with_unpack_hooks_runs_as_it_is_behind_its_break(
+    backend: str, batched: str, unpack_kind: str
+) -> None:
+    """Under vmap, or with hooks Dynamo skips, CopySlices runs behind one break and unpacks inside it, as eager does."""
+    result = compare(_in_place_on_a_view_under_saved_tensor_hooks(3, batched, unpack_kind), backend, steps=3)
+    result.assert_ok()
+    stats = result.stats
+    assert (stats["captures"], stats["cache_hits"], stats["graph_breaks"]) == (1, 2, 1), stats
+    (capture,) = build_report_data().captures
+    assert [(b.node_name, b.reason) for b in capture.breaks] == [
+        (
+            "torch::autograd::CopySlices",
+            "its saved tensors' unpack hooks run inside it, after it slices its grad, as in eager",
+        )
+    ]
+
+
+def test_copy_slices_with_traced_unpack_hooks_outside_vmap_stays_in_the_graph(backend: str) -> None:
+    result = compare(_in_place_on_a_view_under_saved_tensor_hooks(3, "none", "traced"), backend, steps=3)
+    result.assert_ok()
+    stats = result.stats
+    assert (stats["captures"], stats["cache_hits"], stats["graph_breaks"]) == (1, 2, 0), stats

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import ca_core
 
 from ca_runtime._aot import is_aot_backward
+from ca_runtime._torch_interop import dynamo_skips, under_vmap
 
 __all__ = ["HOOK_RULES", "NODE_RULES", "Handling", "HookRule", "NodeRule", "rule_for"]
 
@@ -59,6 +60,13 @@ class NodeRule:
     reads_leaf_grads: bool = False
 
 
+def _unpacks_before_it_could_fail(node: ca_core.NodeInfo) -> bool:
+    """Its unpack hooks, called before it, would run where eager's CopySlices fails first; see its row."""
+    if not node.unpack_hook_fns:
+        return False
+    return under_vmap() or any(dynamo_skips(hook) for hook in node.unpack_hook_fns)
+
+
 NODE_RULES: tuple[NodeRule, ...] = (
     NodeRule(
         "torch::autograd::PyNode",
@@ -82,6 +90,21 @@ NODE_RULES: tuple[NodeRule, ...] = (
         "torch::autograd::generated::LinalgLstsqBackward0",
         Handling.BREAK,
         "torch 2.13's AOTAutograd computes a wrong grad for linalg.lstsq's backward (complex inputs)",
+    ),
+    # CopySlices slices (as_strided) its grad before its inner node unpacks
+    # the saved tensors, and under vmap that slicing fails where the batch dim
+    # is not in front (an empty tensor's strides): eager raises before any
+    # unpack hook runs. The graph calls the hooks before the node, so where
+    # that order shows -- hooks Dynamo skips (called behind a graph break of
+    # ours) or a backward inside a vmap (is_grads_batched, torch.func; Dynamo cannot trace
+    # batched tensors; the graph runs as Python) -- the node runs as it is,
+    # behind a break, and its hooks run inside it, in eager's order (found by
+    # the fuzzer's combined mode).
+    NodeRule(
+        "torch::autograd::CopySlices",
+        Handling.BREAK,
+        "its saved tensors' unpack hooks run inside it, after it slices its grad, as in eager",
+        condition=_unpacks_before_it_could_fail,
     ),
     NodeRule(
         "torch::autograd::CppNode<*>",
