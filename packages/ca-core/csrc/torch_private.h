@@ -51,19 +51,40 @@
 //      as in item 3, and RemovableHandle's ids as the dicts' keys (each
 //      registration takes a new, larger id): a fingerprint of a node's hook
 //      registries; see [Note: Hooks changed while a graph runs].
-// Internal but public in the headers, and used directly where needed:
-// GraphTask's fields (exec_info_, dependencies_, final_callbacks_,
-// keep_graph_, thread_locals_), Engine::set_compiled_autograd and
-// Engine::execute_with_graph_task, the compiled-autograd types of
-// torch/csrc/dynamo/compiled_autograd.h; THPFunction's fields
-// (torch/csrc/autograd/python_function.h: saved_variables,
-// compiled_autograd_symints, is_variable_input, ...), read from a PyNode's
-// Python object in describe.cpp (a PyNode's pyobj() is a THPFunction); and
-// the pybind11 type casters of torch/csrc/utils/pybind.h for c10::SymInt and
-// c10::SymFloat (torch::is_symint/is_symfloat too), which turn the
-// torch.SymInt/SymFloat objects Dynamo passes while it traces into C++
-// values in node_apply.cpp. The Python side's private uses are listed in
-// ca_runtime/_torch_interop.py.
+// Internal but public in the headers, and used directly where needed. Every
+// torch/csrc header another file of csrc/ includes is named here, with what it
+// is included for (tests/test_torch_private.py fails on one that is not):
+//   - torch/csrc/autograd/function.h, torch/csrc/autograd/graph_task.h
+//     (ca_core.h): Node, and GraphTask's fields (exec_info_, dependencies_,
+//     final_callbacks_, keep_graph_, thread_locals_);
+//   - torch/csrc/dynamo/compiled_autograd.h (ca_core.h): the
+//     compiled-autograd types (AutogradCompilerCall, CompiledNodeArgs,
+//     SwapSavedVariables, TensorArgs);
+//   - torch/csrc/autograd/engine.h (engine_hook.cpp, node_apply.cpp):
+//     Engine::set_compiled_autograd and Engine::execute_with_graph_task;
+//   - torch/csrc/autograd/input_buffer.h (engine_hook.cpp): the InputBuffer
+//     the eager fallback starts its GraphTask with;
+//   - torch/csrc/autograd/anomaly_mode.h (engine_hook.cpp):
+//     AnomalyMode::is_enabled;
+//   - torch/csrc/autograd/functions/accumulate_grad.h (graph_walk.cpp,
+//     shadow_cache.cpp): AccumulateGrad, told apart by typeid;
+//   - torch/csrc/autograd/python_function.h (describe.cpp, node_apply.cpp):
+//     THPFunction's fields (saved_variables, compiled_autograd_symints,
+//     is_variable_input, ...), read from a PyNode's Python object (a PyNode's
+//     pyobj() is a THPFunction, reached by reinterpret_cast in describe.cpp);
+//   - torch/csrc/Device.h, torch/csrc/DynamicTypes.h (describe.cpp,
+//     node_apply.cpp): THPDevice_New and getTHPDtype, a tensor spec's Python
+//     device and dtype;
+//   - torch/csrc/utils/pybind.h, torch/csrc/utils/python_symnode.h
+//     (node_apply.cpp): the pybind11 type casters for c10::SymInt and
+//     c10::SymFloat, and torch::is_symint/is_symfloat, which turn the
+//     torch.SymInt/SymFloat objects Dynamo passes while it traces into C++
+//     values;
+//   - torch/csrc/autograd/python_variable.h, torch/csrc/Exceptions.h
+//     (tensor_caster.h): THPVariable_Wrap/Check/Unpack and python_error;
+//   - torch/csrc/autograd/custom_function.h (testing_helpers.cpp): a C++
+//     torch::autograd::Function for the tests.
+// The Python side's private uses are listed in ca_runtime/_torch_interop.py.
 #pragma once
 
 #include <nanobind/nanobind.h>

@@ -6,6 +6,8 @@ behaviour test does.
 
 from __future__ import annotations
 
+import pathlib
+import re
 import warnings
 
 import ca_core
@@ -155,3 +157,50 @@ def test_12_hook_registry_signature_changes_with_each_registration_and_removal()
     assert with_post != leaf_before
     handle.remove()
     assert _C._private_hook_registry_signature(x) != with_post
+
+
+def _csrc_includes(csrc: pathlib.Path) -> dict[str, set[str]]:
+    """torch/csrc header -> the csrc files (torch_private.* aside) that include it."""
+    found: dict[str, set[str]] = {}
+    for path in sorted(csrc.glob("*.[ch]*")):
+        if path.stem == "torch_private":
+            continue
+        for header in re.findall(r"#include <(torch/csrc/[\w/]+\.h)>", path.read_text()):
+            found.setdefault(header, set()).add(path.name)
+    return found
+
+
+def _audited_includes(header_text: str) -> dict[str, set[str]]:
+    """The bullets of torch_private.h's list of torch/csrc headers: header -> the files it names as including it."""
+    block = header_text.split("torch/csrc header another file of csrc/ includes is named here", 1)[1]
+    block = block.split("The Python side's private uses", 1)[0]
+    bullets = re.split(r"\n//   - ", block)[1:]
+    audited: dict[str, set[str]] = {}
+    for bullet in bullets:
+        text = " ".join(line.removeprefix("//").strip() for line in bullet.splitlines())
+        files = set(re.split(r",\s*", re.search(r"\(([\w.,\s]+)\)", text).group(1)))  # type: ignore[union-attr]
+        for header in re.findall(r"torch/csrc/[\w/]+\.h", text.split("(", 1)[0]):
+            audited[header] = files
+    return audited
+
+
+def test_torch_internals_are_included_only_where_torch_private_h_says() -> None:
+    """Every torch/csrc header a csrc file includes is in torch_private.h's list, naming exactly the files that do."""
+    csrc = pathlib.Path(__file__).resolve().parents[1] / "csrc"
+    if not csrc.is_dir():
+        pytest.skip(f"the C++ sources are not beside the tests here ({csrc}): run from a source checkout")
+    audited = _audited_includes((csrc / "torch_private.h").read_text())
+    assert _csrc_includes(csrc) == audited, "list the header, and the files including it, in torch_private.h"
+
+
+def test_the_include_audit_reads_headers_and_the_files_named() -> None:
+    text = (
+        "// torch/csrc header another file of csrc/ includes is named here, and why:\n"
+        "//   - torch/csrc/a.h, torch/csrc/b/c.h\n//     (x.cpp, y.h): what (not this.h);\n"
+        "//   - torch/csrc/d.h (z.cpp): more\n// The Python side's private uses are elsewhere.\n"
+    )
+    assert _audited_includes(text) == {
+        "torch/csrc/a.h": {"x.cpp", "y.h"},
+        "torch/csrc/b/c.h": {"x.cpp", "y.h"},
+        "torch/csrc/d.h": {"z.cpp"},
+    }
