@@ -809,13 +809,17 @@ backward costs milliseconds, so a program whose backwards each run once (an
 evaluation script, a notebook, gradcheck's perturbed graphs) pays far more
 for them than eager would, for hits that never come. Before capturing at an
 entry without a graph, the engine hook asks the runtime's optional
-`defer_capture(sightings)` (sightings: the backwards this entry has deferred
-before); if it answers True, this backward runs on the eager engine, the
+`defer_capture(sightings, hooks)` (sightings: the backwards this entry has
+deferred before; hooks: the Python objects the graph would call, its `hooks`
+input); if it answers True, this backward runs on the eager engine, the
 entry's `sightings` goes up and deferred_captures counts it. Nothing else
 changes: the entry is not failed, and its next backward asks again. The
 runtime's rules (ca_runtime's [Note: Which captures wait]) read nothing but
-the count and the Python stack, so the choice is the same on every run of a
-program. A runtime without the method captures at once.
+the count, the objects' code and the Python stack, so the choice is the same
+on every run of a program. A runtime without the method captures at once.
+A deferred backward whose graph would call Python code is also where a hook
+that changes other nodes' hooks shows before any graph runs: see [Note:
+Hooks changed while a graph runs].
 */
 
 /// Whether the runtime defers this backward's capture (it then runs eagerly);
@@ -826,7 +830,7 @@ bool defers_capture(BackwardRun& run) {
     return false;
   }
   const uint32_t sightings = run.entry_alive() ? run.entry->sightings : 0;
-  if (!nb::cast<bool>(defer(sightings))) {
+  if (!nb::cast<bool>(defer(sightings, run.args.hooks))) {
     return false;
   }
   ++g_counters.deferred_captures;
@@ -1004,10 +1008,21 @@ post hook on it, which eager would call). On a change that backward's grads
 are the graph's, which differ from eager's where the changed node ran after
 the change: the runtime warns once (report_hooks_changed), and the entry is
 marked failed, so every later backward of that graph runs on the eager
-engine, which reads the hooks as they are. The capturing backward is not
-eager's then; making it so would need the graph to read each node's hooks
-when it reaches the node, which a graph traced by Dynamo cannot (it applies a
-traced hook's registrations after the graph). A graph without Python objects
+engine, which reads the hooks as they are. That backward is not eager's;
+making it so would need the graph to read each node's hooks when it reaches
+the node, which a graph traced by Dynamo cannot (it applies a traced hook's
+registrations after the graph). So the change is looked for before a
+capture too: a deferred backward (see [Note: Deferred captures]) runs on the
+eager engine, which reads each node's hooks when it reaches it, and is
+compared the same way (deferred_eager), a change marking the entry failed
+with no graph captured; and the runtime defers the first backward of an
+entry whose graph would call code that names a hook registration or a
+handle's removal (ca_runtime's [Note: Which captures wait]). Such a change is
+usually made on every backward (the hook is registered with the forward), so
+that first backward shows it and every backward is eager's. What is left: a
+change made only on a later backward, or by code the runtime's look at the
+hooks' code does not see (a helper function they call), is found after that
+backward's graph ran. A graph without Python objects
 runs no code that could register a hook: the walk computes no signature for
 it and nothing is compared, so a hook-free cache hit pays nothing for this.
 */
@@ -1027,18 +1042,50 @@ const NodeState* node_with_changed_hooks(const BackwardState& state) {
   return nullptr;
 }
 
-/// Reports a change of `changed`'s hooks during the graph that just ran, and
-/// sends the graph's later backwards to the eager engine; see [Note: Hooks
-/// changed while a graph runs].
-void report_changed_hooks(BackwardRun& run, const NodeState& changed) {
+/// Reports a change of the hooks of node `name` during the backward that just
+/// ran (its graph if `graph_ran`, else the eager engine), and sends the
+/// graph's later backwards to the eager engine; see [Note: Hooks changed while
+/// a graph runs].
+void report_changed_hooks(BackwardRun& run, const std::string& name, bool graph_ran) {
+  auto mark = [&run]() {
+    if (run.entry_alive()) {
+      mark_failed(*run.entry, run.runtime);  // reads the reason the report set
+      release_later(run.entry->compiled_fn);
+    }
+  };
   nb::object report = nb::getattr(run.runtime, "report_hooks_changed", nb::none());
   if (!report.is_none()) {
-    report(changed.call.node->name());
+    try {
+      report(name, graph_ran);
+    } catch (...) {
+      mark();  // the warning may be an error (a warnings filter)
+      throw;
+    }
   }
-  if (run.entry_alive()) {
-    mark_failed(*run.entry, run.runtime);
-    release_later(run.entry->compiled_fn);
+  mark();
+}
+
+/// A deferred backward, run on the eager engine; when its graph would call
+/// Python code before other nodes, their hooks are compared with the walk's
+/// after it; see [Note: Hooks changed while a graph runs].
+variable_list deferred_eager(BackwardRun& run) {
+  run.args = GraphArgs();
+  const BackwardState& state = *run.state;
+  if (state.first_python_node < 0) {
+    return run.eager_after_walk();
   }
+  std::vector<std::pair<c10::intrusive_ptr<Node>, uint64_t>> walked;
+  for (size_t i = static_cast<size_t>(state.first_python_node) + 1; i < state.nodes.size(); ++i) {
+    walked.emplace_back(state.nodes[i].call.node, state.nodes[i].hook_signature);
+  }
+  variable_list outputs = run.eager_after_walk();
+  for (const auto& [node, signature] : walked) {
+    if (torch_private::hook_registry_signature(*node) != signature) {
+      report_changed_hooks(run, node->name(), /*graph_ran=*/false);
+      break;
+    }
+  }
+  return outputs;
 }
 
 /// Step 5: the engine's outputs from the graph's `result`; leaf grads
@@ -1157,7 +1204,7 @@ variable_list compiled_backward_with_gil(
   }
   if (!run.compiled.is_valid() && defers_capture(run)) {
     // See [Note: Deferred captures]: not a fallback.
-    return run.eager_after_walk();
+    return deferred_eager(run);
   }
   ScopedSlot<BackwardState> active(active_backward(), run.state.get());
   InterfaceScope interface;
@@ -1173,7 +1220,7 @@ variable_list compiled_backward_with_gil(
   }
   if (const NodeState* changed = node_with_changed_hooks(*run.state)) {
     // See [Note: Hooks changed while a graph runs].
-    report_changed_hooks(run, *changed);
+    report_changed_hooks(run, changed->call.node->name(), /*graph_ran=*/true);
   }
   variable_list outputs = finish(run, std::move(result));
   if (C10_UNLIKELY(run.timed_since.has_value())) {

@@ -8,6 +8,7 @@ ones are captured and served from the cache as without the option.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import ca_runtime
@@ -155,3 +156,73 @@ def test_bad_capture_after_names_the_argument_and_keeps_the_hook(
         import ca_core
 
         assert ca_core.installed_runtime() is outer
+
+
+class _Swapper:
+    def __init__(self, handle: torch.utils.hooks.RemovableHandle) -> None:
+        self.handle = handle
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        self.handle.remove()
+
+    def method(self, grad: torch.Tensor) -> None:
+        self.handle.remove()
+
+
+class _RegistersInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        grad.register_hook(lambda g: g)
+        return grad * 2
+
+
+def _nested(grad: torch.Tensor) -> None:
+    def inner() -> None:
+        grad.register_hook(lambda g: g)
+
+    inner()
+
+
+@pytest.mark.parametrize(
+    ("make", "names"),
+    [
+        (lambda h: lambda g: g * 2, False),
+        (lambda h: lambda g: h.remove(), True),
+        (_Swapper, True),
+        (lambda h: _Swapper(h).method, True),
+        (lambda h: functools.partial(functools.partial(_Swapper.method, _Swapper(h))), True),
+        (lambda h: _nested, True),
+        (lambda h: print, False),
+        (lambda h: object(), False),
+    ],
+    ids=[
+        "plain",
+        "lambda",
+        "callable-instance",
+        "bound-method",
+        "partial",
+        "nested-function",
+        "builtin",
+        "data",
+    ],
+)
+def test_the_look_at_hook_code_sees_registrations_and_removals(make: Any, names: bool) -> None:
+    """See [Note: Which captures wait]: the third rule's look at the code a graph would call."""
+    from ca_runtime._runtime import _names_a_hook_change
+
+    handle = torch.ones(1, requires_grad=True).register_hook(lambda g: g)
+    assert _names_a_hook_change([make(handle)]) is names
+
+
+def test_the_look_at_hook_code_sees_a_functions_backward() -> None:
+    from ca_runtime._runtime import _names_a_hook_change
+
+    x = torch.ones(2, requires_grad=True)
+    y = _RegistersInBackward.apply(x)
+    ctx = y.grad_fn
+    assert _names_a_hook_change([ctx])
+    assert not _names_a_hook_change([(x * 2).grad_fn])  # a C++ node: no Python code

@@ -53,6 +53,7 @@ with the time each stage took.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import logging
 import sys
@@ -275,6 +276,51 @@ def _inside_gradcheck() -> bool:
     return False
 
 
+#: Names whose use in a hook's code may change other nodes' hooks; see [Note: Which captures wait].
+_HOOK_CHANGES = frozenset(
+    {
+        "register_hook",
+        "register_prehook",
+        "register_post_accumulate_grad_hook",
+        "register_multi_grad_hook",
+        "remove",
+    }
+)
+
+
+def _code_names_a_hook_change(code: types.CodeType) -> bool:
+    """Whether ``code``, or code defined in it, names one of ``_HOOK_CHANGES``."""
+    if not _HOOK_CHANGES.isdisjoint(code.co_names):
+        return True
+    return any(
+        isinstance(const, types.CodeType) and _code_names_a_hook_change(const) for const in code.co_consts
+    )
+
+
+def _codes_called(obj: object) -> Iterator[types.CodeType]:
+    """The code objects calling ``obj`` runs first: a function's, a method's, a partial's, a Function ctx's backward."""
+    forward_cls = getattr(type(obj), "_forward_cls", None)
+    if forward_cls is not None:  # a Python Function's ctx: its backward (or vjp) runs
+        for name in ("backward", "vjp"):
+            code = getattr(getattr(forward_cls, name, None), "__code__", None)
+            if isinstance(code, types.CodeType):
+                yield code
+        return
+    while isinstance(obj, functools.partial):
+        obj = obj.func
+    obj = getattr(obj, "__func__", obj)  # a bound method
+    code = getattr(obj, "__code__", None)
+    if code is None and callable(obj) and not isinstance(obj, type):
+        code = getattr(type(obj).__call__, "__code__", None)  # a callable instance
+    if isinstance(code, types.CodeType):
+        yield code
+
+
+def _names_a_hook_change(hooks: Sequence[object]) -> bool:
+    """Whether code the graph would call names a hook registration or removal; see [Note: Which captures wait]."""
+    return any(_code_names_a_hook_change(code) for obj in hooks for code in _codes_called(obj))
+
+
 class Runtime:
     """Serves one ``enable()`` context: its compiler and its last captured graph."""
 
@@ -298,13 +344,13 @@ class Runtime:
         #: (``pending``) or failed (``failed_first_run``); see _report/records.py.
         self._records = threading.local()
 
-    def defer_capture(self, sightings: int) -> bool:
+    def defer_capture(self, sightings: int, hooks: Sequence[object]) -> bool:
         """[Note: Which captures wait]
         Whether a backward at a cache entry without a graph runs eagerly
         instead of being captured now (see [Note: Deferred captures] in
         ca_core, which counts ``sightings``, the backwards the entry deferred
-        before). Two rules, both reading nothing that varies between runs of
-        a program:
+        before; ``hooks`` are the Python objects its graph would call). Three
+        rules, all reading nothing that varies between runs of a program:
 
         - ``enable(capture_after=N)``: a key path is captured on its N-th
           backward; the N - 1 before run eagerly. The default, 1, captures at
@@ -317,8 +363,17 @@ class Runtime:
           them costs seconds each for no hit, and what they check is the
           nodes' derivative formulas, which the eager engine runs too. A
           backward of an entry captured before still hits its graph there.
+        - The first backward of an entry whose graph would call code that
+          names a hook registration or a handle's removal
+          (``_names_a_hook_change``: a hook that registers or removes hooks
+          of other nodes, which eager reads only when it reaches them) runs
+          eagerly, and ca_core compares the nodes' hooks after it, so such a
+          change is found before any graph calls the hooks its walk found;
+          see [Note: Hooks changed while a graph runs] in ca_core.
         """
-        return sightings + 1 < self.capture_after or _inside_gradcheck()
+        if sightings + 1 < self.capture_after or _inside_gradcheck():
+            return True
+        return sightings == 0 and _names_a_hook_change(hooks)
 
     def capture(self, graph: ca_core.BackwardGraph) -> ca_core.CapturedGraph | None:
         record = records.begin_capture(graph, self.compiler_key)
@@ -536,21 +591,24 @@ class Runtime:
         self._records.failed_first_run = None
         self._fallback(node, reason, record)
 
-    def report_hooks_changed(self, node: str) -> None:
-        """Warn that a hook changed ``node``'s hooks while a compiled graph ran.
+    def report_hooks_changed(self, node: str, graph_ran: bool) -> None:
+        """Warn that a hook changed ``node``'s hooks during a backward; its graph's later backwards run eagerly.
 
-        See [Note: Hooks changed while a graph runs] in ca_core: this
-        backward ran the hooks registered when it started, and its graph's
-        later backwards run on the eager engine (ca_core marks the entry failed).
+        See [Note: Hooks changed while a graph runs] in ca_core: a graph run
+        (``graph_ran``) called the hooks registered when it started; a
+        deferred backward ran on the eager engine, so its grads are eager's.
+        ca_core marks the entry failed.
         """
         reason = "a hook registered or removed hooks of the graph's nodes while it ran"
         self.last_failure = f"{node}: {reason}"
         records.record_fallback(self.compiler_key, node, reason, None)
-        message = (
-            f"ca_runtime: {reason} ({node}); this backward called the hooks registered when it started, "
-            "where eager calls the changed ones, so its grads may differ from eager's; "
-            "later backwards of this graph run on the eager engine"
+        this_backward = (
+            "this backward called the hooks registered when it started, where eager calls the changed ones, "
+            "so its grads may differ from eager's"
+            if graph_ran
+            else "this backward ran on the eager engine"
         )
+        message = f"ca_runtime: {reason} ({node}); {this_backward}; later backwards of this graph run on the eager engine"
         log.info(message)
         warn_at_user_line(message, EagerFallbackWarning)
 
