@@ -635,23 +635,42 @@ def test_a_hook_returning_what_eager_refuses_raises_eagers_error(backend: str, c
     assert result.stats["captures"] + result.stats["cache_hits"] == 4, result.stats
 
 
-def _hook_that_changes_a_later_nodes_hooks(i: int) -> tuple[list[str], torch.Tensor]:
-    """Issue 36: b's hook removes a's hook and registers another one; a's node runs after b's."""
-    calls: list[str] = []
-    x = torch.ones(3, requires_grad=True)
-    a = x * 2
-    b = a * 3
-    old = a.register_hook(lambda g: calls.append("old") or g * 100)
+def _swap_hooks(old: torch.utils.hooks.RemovableHandle, a: torch.Tensor, calls: list[str]) -> None:
+    old.remove()
+    a.register_hook(lambda g: calls.append("new") or g * 10)
 
-    def on_b(g: torch.Tensor) -> torch.Tensor:
-        calls.append("b")
-        old.remove()
-        a.register_hook(lambda g: calls.append("new") or g * 10)
-        return g
 
-    b.register_hook(on_b)
-    b.sum().backward()
-    return calls, x.grad
+def _changing_hooks_step(
+    change_on: Callable[[int], bool], through_a_function: bool = False
+) -> Callable[[int], tuple[list[str], torch.Tensor]]:
+    """Issue 36: b's hook removes a's hook and registers another one (on the steps ``change_on`` picks; always
+    when ``through_a_function``, whose hook's own code names no registration); a's node runs after b's."""
+
+    def step(i: int) -> tuple[list[str], torch.Tensor]:
+        calls: list[str] = []
+        x = torch.ones(3, requires_grad=True)
+        a = x * 2
+        b = a * 3
+        old = a.register_hook(lambda g: calls.append("old") or g * 100)
+
+        def on_b(g: torch.Tensor) -> torch.Tensor:
+            calls.append("b")
+            if change_on(i):
+                old.remove()
+                a.register_hook(lambda g: calls.append("new") or g * 10)
+            return g
+
+        if through_a_function:
+            b.register_hook(lambda g: calls.append("b") or _swap_hooks(old, a, calls))
+        else:
+            b.register_hook(on_b)
+        b.sum().backward()
+        return calls, x.grad
+
+    return step
+
+
+_hook_that_changes_a_later_nodes_hooks = _changing_hooks_step(lambda i: True)
 
 
 def test_a_hook_that_changes_later_hooks_runs_eagerly_from_the_first_backward(backend: str) -> None:
@@ -670,24 +689,7 @@ def test_a_hook_that_changes_later_hooks_runs_eagerly_from_the_first_backward(ba
 
 def test_a_hook_that_changes_later_hooks_only_on_a_later_backward_is_found_after_it(backend: str) -> None:
     """What is left: a change on a graph run; that backward's grads are the graph's, warned about once."""
-
-    def step(i: int) -> tuple[list[str], torch.Tensor]:
-        calls: list[str] = []
-        x = torch.ones(3, requires_grad=True)
-        a = x * 2
-        b = a * 3
-        old = a.register_hook(lambda g: calls.append("old") or g * 100)
-
-        def on_b(g: torch.Tensor) -> torch.Tensor:
-            calls.append("b")
-            if i == 1:
-                old.remove()
-                a.register_hook(lambda g: calls.append("new") or g * 10)
-            return g
-
-        b.register_hook(on_b)
-        b.sum().backward()
-        return calls, x.grad
+    step = _changing_hooks_step(lambda i: i == 1)
 
     with pytest.warns(ca_runtime.EagerFallbackWarning, match="registered or removed hooks") as caught:
         result = compare(step, backend, steps=4)
@@ -700,23 +702,9 @@ def test_a_hook_that_changes_later_hooks_only_on_a_later_backward_is_found_after
     assert result.stats["eager_fallbacks"] == 2
 
 
-def _swap_hooks(old: torch.utils.hooks.RemovableHandle, a: torch.Tensor, calls: list[str]) -> None:
-    old.remove()
-    a.register_hook(lambda g: calls.append("new") or g * 10)
-
-
 def test_a_hook_change_made_by_a_function_the_hook_calls_is_found_after_the_graph(backend: str) -> None:
     """What is left: the look at a hook's code does not follow its calls; the capturing graph's grads differ."""
-
-    def step(i: int) -> tuple[list[str], torch.Tensor]:
-        calls: list[str] = []
-        x = torch.ones(3, requires_grad=True)
-        a = x * 2
-        b = a * 3
-        old = a.register_hook(lambda g: calls.append("old") or g * 100)
-        b.register_hook(lambda g: calls.append("b") or _swap_hooks(old, a, calls))
-        b.sum().backward()
-        return calls, x.grad
+    step = _changing_hooks_step(lambda i: True, through_a_function=True)
 
     with pytest.warns(ca_runtime.EagerFallbackWarning, match="registered or removed hooks") as caught:
         result = compare(step, backend, steps=3)
