@@ -180,6 +180,9 @@ struct BackwardState {
   /// ctx, packed saved data), or -1: no user code runs before it; see
   /// [Note: Hooks changed while a graph runs].
   int64_t first_python_node = -1;
+  /// torch_private::largest_post_hook_id of that node when the walk reached
+  /// it; see [Note: Hooks changed while a graph runs].
+  uint64_t first_python_node_post_hook_id = 0;
   /// Walk index of the first node whose key was new to the cache, or -1.
   int64_t miss_node = -1;
   /// Why that key was new, in words; see [Note: Explained misses].

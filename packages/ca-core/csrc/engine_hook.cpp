@@ -1002,9 +1002,12 @@ kind, and per Python hook dict its size and largest RemovableHandle id). Only
 nodes after the first one with Python objects (BackwardState::
 first_python_node) are compared: no user code ran before that node's hooks, so
 a change to it or to an earlier node came after eager would have read their
-hooks (a hook that removes itself, the one-shot pattern, is such a change;
-one exception is missed: that first node's own hooks registering a grad_fn
-post hook on it, which eager would call). On a change that backward's grads
+hooks (a hook that removes itself, the one-shot pattern, is such a change),
+with one exception: a post hook registered on that first node by its own
+hooks, which eager reads after them and calls, so a registration there
+(torch_private::largest_post_hook_id grown past
+BackwardState::first_python_node_post_hook_id; a removal never grows it) is
+a change too. On a change that backward's grads
 are the graph's, which differ from eager's where the changed node ran after
 the change: the runtime warns once (report_hooks_changed), and the entry is
 marked failed, so every later backward of that graph runs on the eager
@@ -1032,6 +1035,10 @@ it and nothing is compared, so a hook-free cache hit pays nothing for this.
 const NodeState* node_with_changed_hooks(const BackwardState& state) {
   if (state.first_python_node < 0) {
     return nullptr;
+  }
+  const NodeState& first = state.nodes[static_cast<size_t>(state.first_python_node)];
+  if (torch_private::largest_post_hook_id(*first.call.node) > state.first_python_node_post_hook_id) {
+    return &first;
   }
   for (size_t i = static_cast<size_t>(state.first_python_node) + 1; i < state.nodes.size(); ++i) {
     const NodeState& ns = state.nodes[i];
@@ -1074,11 +1081,17 @@ variable_list deferred_eager(BackwardRun& run) {
   if (state.first_python_node < 0) {
     return run.eager_after_walk();
   }
+  c10::intrusive_ptr<Node> first = state.nodes[static_cast<size_t>(state.first_python_node)].call.node;
+  const uint64_t first_post_hook_id = state.first_python_node_post_hook_id;
   std::vector<std::pair<c10::intrusive_ptr<Node>, uint64_t>> walked;
   for (size_t i = static_cast<size_t>(state.first_python_node) + 1; i < state.nodes.size(); ++i) {
     walked.emplace_back(state.nodes[i].call.node, state.nodes[i].hook_signature);
   }
   variable_list outputs = run.eager_after_walk();
+  if (torch_private::largest_post_hook_id(*first) > first_post_hook_id) {
+    report_changed_hooks(run, first->name(), /*graph_ran=*/false);
+    return outputs;
+  }
   for (const auto& [node, signature] : walked) {
     if (torch_private::hook_registry_signature(*node) != signature) {
       report_changed_hooks(run, node->name(), /*graph_ran=*/false);

@@ -134,6 +134,7 @@ void BackwardState::reset() {
   accumulate_grad = true;
   create_graph = false;
   first_python_node = -1;
+  first_python_node_post_hook_id = 0;
   leaf_hooks_in_graph = false;
   dynamic_sizes.clear();
   dynamic_dims.clear();
@@ -448,6 +449,7 @@ class GraphWalk {
         if (state_->first_python_node < 0 &&
             (!ns.collected->hooks.empty() || !ns.collected->packed_inputs.empty())) {
           state_->first_python_node = walk_idx;
+          state_->first_python_node_post_hook_id = torch_private::largest_post_hook_id(*fn);
         }
         descend(args.key(), ns, fn, walk_idx);
       } catch (const WalkError&) {

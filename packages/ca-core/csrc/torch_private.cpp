@@ -150,6 +150,36 @@ uint64_t hook_registry_signature(const Node& fn) {
   return signature == 0 ? 1 : signature;
 }
 
+uint64_t largest_post_hook_id(const Node& fn) {
+  auto& node = const_cast<Node&>(fn);
+  uint64_t largest = 0;
+  auto largest_key = [&largest](PyObject* dict) {
+    if (dict == nullptr || !PyDict_Check(dict)) {
+      return;
+    }
+    Py_ssize_t pos = 0;
+    PyObject* key = nullptr;
+    PyObject* value = nullptr;
+    while (PyDict_Next(dict, &pos, &key, &value)) {
+      if (PyLong_Check(key)) {
+        largest = std::max(largest, static_cast<uint64_t>(PyLong_AsUnsignedLongLongMask(key)));
+      }
+    }
+  };
+  for (const auto& hook : node.post_hooks()) {
+    largest_key(python_hook_dict(*hook));
+  }
+  if (typeid(fn) == typeid(torch::autograd::AccumulateGrad)) {
+    const auto& variable = static_cast<const torch::autograd::AccumulateGrad&>(fn).variable;
+    if (variable.defined()) {
+      if (auto* post_acc = torch::autograd::impl::post_acc_grad_hooks(variable).get()) {
+        largest_key(python_hook_dict(*post_acc));
+      }
+    }
+  }
+  return largest;
+}
+
 bool is_compiled_args_nyi(const c10::NotImplementedError& e) {
   return std::string_view(e.what_without_backtrace()).rfind("compiled_args nyi", 0) == 0;
 }
@@ -376,6 +406,19 @@ void register_torch_private(nb::module_& m) {
         return hook_registry_signature(*accumulator);
       },
       "12. The hook fingerprint of a tensor's grad_fn (of its grad accumulator for a leaf).");
+  m.def(
+      "_private_largest_post_hook_id",
+      [](const at::Tensor& t) {
+        TORCH_CHECK(t.defined(), "needs a tensor");
+        if (t.grad_fn()) {
+          return largest_post_hook_id(*t.grad_fn());
+        }
+        auto accumulator = torch::autograd::impl::grad_accumulator(t);
+        TORCH_CHECK(accumulator, "needs a tensor that requires grad");
+        return largest_post_hook_id(*accumulator);
+      },
+      "12. The largest RemovableHandle id of a tensor's grad_fn's Python post hooks (its grad accumulator's for a "
+      "leaf, post-accumulate-grad hooks included).");
   m.def(
       "_private_compiled_args_nyi",
       [](const at::Tensor& t) {

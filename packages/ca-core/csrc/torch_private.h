@@ -50,7 +50,9 @@
 //      in torch/csrc/autograd/python_hook.h), told apart by mangled type name
 //      as in item 3, and RemovableHandle's ids as the dicts' keys (each
 //      registration takes a new, larger id): a fingerprint of a node's hook
-//      registries; see [Note: Hooks changed while a graph runs].
+//      registries, and the largest id among its post hooks (which a
+//      registration grows and a removal never does); see [Note: Hooks
+//      changed while a graph runs].
 // Internal but public in the headers, and used directly where needed. Every
 // torch/csrc header another file of csrc/ includes is named here, with what it
 // is included for (tests/test_torch_private.py fails on one that is not):
@@ -154,6 +156,12 @@ bool task_grad_mode(const torch::autograd::GraphTask& graph_task);
 /// post-accumulate-grad hooks): it changes when a hook is registered or
 /// removed there. 0 for a node without hooks. Needs the GIL.
 uint64_t hook_registry_signature(const torch::autograd::Node& fn);
+
+/// 12. The largest RemovableHandle id among `fn`'s Python post hooks (its
+/// grad_fn post hooks, an AccumulateGrad's post-accumulate-grad hooks), or
+/// 0: it grows when one is registered there and never when one is removed.
+/// Needs the GIL.
+uint64_t largest_post_hook_id(const torch::autograd::Node& fn);
 
 /// 8. Re-emits the warnings `handler` held back (DelayWarningHandler::
 /// replay_warnings, which libtorch does not export); returns how many.

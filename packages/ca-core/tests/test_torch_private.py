@@ -159,6 +159,27 @@ def test_12_hook_registry_signature_changes_with_each_registration_and_removal()
     assert _C._private_hook_registry_signature(x) != with_post
 
 
+def test_12_largest_post_hook_id_grows_with_a_registration_only() -> None:
+    x = torch.randn(2, requires_grad=True)
+    y = x * 3
+    assert _C._private_largest_post_hook_id(y) == 0
+    y.register_hook(lambda g: g)  # a tensor hook: not a post hook
+    y.grad_fn.register_prehook(lambda go: None)
+    assert _C._private_largest_post_hook_id(y) == 0
+    first = y.grad_fn.register_hook(lambda gi, go: None)
+    one = _C._private_largest_post_hook_id(y)
+    assert one == first.id
+    second = y.grad_fn.register_hook(lambda gi, go: None)
+    assert _C._private_largest_post_hook_id(y) == second.id > one
+    first.remove()
+    assert _C._private_largest_post_hook_id(y) == second.id  # a removal never grows it
+    second.remove()
+    assert _C._private_largest_post_hook_id(y) == 0
+    # A leaf: its post-accumulate-grad hooks.
+    handle = x.register_post_accumulate_grad_hook(lambda p: None)
+    assert _C._private_largest_post_hook_id(x) == handle.id
+
+
 def _csrc_includes(csrc: pathlib.Path) -> dict[str, set[str]]:
     """torch/csrc header -> the csrc files (torch_private.* aside) that include it."""
     found: dict[str, set[str]] = {}

@@ -787,3 +787,56 @@ def test_a_hook_change_warned_as_an_error_still_sends_the_graph_to_eager(backend
         stats = ca_runtime.stats()
     assert calls == ["b", "new"] and torch.equal(grad, torch.full((3,), 60.0))
     assert stats["captures"] == 0 and stats["deferred_captures"] == 1 and stats["eager_fallbacks"] == 1, stats
+
+
+def _add_post_hook(node: torch.autograd.graph.Node, calls: list[str]) -> None:
+    node.register_hook(
+        lambda grad_inputs, grad_outputs: calls.append("post") or (grad_inputs[0] * 10, *grad_inputs[1:])
+    )
+
+
+@pytest.mark.parametrize("through_a_function", [False, True], ids=["in-the-hook", "in-a-function-it-calls"])
+def test_a_post_hook_registered_on_the_first_hooked_node_by_its_own_hook_is_a_change(
+    backend: str, through_a_function: bool
+) -> None:
+    """The first node with Python hooks: eager reads its post hooks after its tensor hooks ran, so it calls one they
+    registered; see [Note: Hooks changed while a graph runs]."""
+
+    def step(i: int) -> tuple[list[str], torch.Tensor]:
+        calls: list[str] = []
+        x = torch.ones(3, requires_grad=True)
+        b = (x * 2) * 3
+        node = b.grad_fn
+        assert node is not None
+
+        def on_b(g: torch.Tensor) -> None:
+            calls.append("b")
+            node.register_hook(
+                lambda grad_inputs, grad_outputs: (
+                    calls.append("post") or (grad_inputs[0] * 10, *grad_inputs[1:])
+                )
+            )
+
+        if through_a_function:
+            b.register_hook(lambda g: calls.append("b") or _add_post_hook(node, calls))
+        else:
+            b.register_hook(on_b)
+        b.sum().backward()
+        return calls, x.grad
+
+    with ca_runtime.disable():
+        calls, grad = step(0)
+    assert calls == ["b", "post"] and torch.equal(grad, torch.full((3,), 60.0))
+    with pytest.warns(ca_runtime.EagerFallbackWarning, match="registered or removed hooks") as caught:
+        result = compare(step, backend, steps=3, expect_capture=through_a_function)
+    assert sum("registered or removed hooks" in str(w.message) for w in caught) == 1
+    assert result.stats["eager_fallbacks"] == 2
+    if through_a_function:  # found after the capturing graph ran, without the post hook
+        assert {d.name for d in result.mismatches} == {
+            "step0.return[1]",
+            "step0.return[2]",
+        }  # "post", the grad
+        assert result.stats["captures"] == 1 and result.stats["deferred_captures"] == 0
+    else:  # the hook names register_hook: its first backward ran eagerly
+        result.assert_ok()
+        assert result.stats["captures"] == 0 and result.stats["deferred_captures"] == 1
