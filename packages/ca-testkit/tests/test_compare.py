@@ -94,3 +94,58 @@ def test_summary_names_the_kind_of_failure() -> None:
     model = make_mlp()
     result = ca_testkit.compare(mlp_step(model), corrupting, tensors=model)
     assert result.summary().startswith("[ca] 4 value(s) differ (step0.grad[0.weight]")
+
+
+def upcasting(gm: torch.fx.GraphModule):
+    """A compiler whose graph computes in float64 and hands back float32 grads: other rounding, no wrong value."""
+
+    def run(*args):
+        def up(a):
+            return a.double() if isinstance(a, torch.Tensor) and a.dtype == torch.float32 else a
+
+        return gm(*[[up(x) for x in a] if isinstance(a, list) else up(a) for a in args])
+
+    return run
+
+
+def second_derivative(i: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A second derivative where float32 rounding shows: the same values in ``dtype``."""
+    x = torch.linspace(0.1, 3.0, 64).to(dtype).requires_grad_()
+    (g,) = torch.autograd.grad((x.pow(2.5).tanh() * x.exp()).sin().sum(), x, create_graph=True)
+    (g2,) = torch.autograd.grad(g.square().sum(), x)
+    return g2
+
+
+def in_float64(i: int) -> torch.Tensor:
+    return second_derivative(i, torch.float64)
+
+
+@pytest.mark.parametrize(
+    ("compiler", "ok_without", "ok_with"),
+    [("eager", True, True), (upcasting, False, True), (corrupting, False, False)],
+    ids=["eager", "other-rounding", "wrong-grad"],
+)
+def test_a_float64_reference_tells_rounding_from_a_wrong_gradient(compiler, ok_without, ok_with) -> None:
+    """See [Note: A float64 reference for rounding backends]: rtol=atol=0 makes any rounding a difference."""
+    without = ca_testkit.compare(second_derivative, compiler, rtol=0, atol=0)
+    with_reference = ca_testkit.compare(second_derivative, compiler, rtol=0, atol=0, reference=in_float64)
+    assert (without.ok, with_reference.ok) == (ok_without, ok_with), with_reference.report()
+    for result in (without, with_reference):
+        assert result.stats["captures"] == 2 and result.stats["eager_fallbacks"] == 0
+    (diff,) = with_reference.diffs
+    assert ("float64 reference:" in diff.note) == (not ok_without)  # judged by it only where it differs
+
+
+def test_a_float64_reference_runs_only_when_a_value_differs() -> None:
+    calls: list[int] = []
+
+    def reference(i: int) -> torch.Tensor:
+        calls.append(i)
+        return in_float64(i)
+
+    assert ca_testkit.compare(second_derivative, "eager", steps=2, reference=reference).ok
+    assert calls == []
+    assert ca_testkit.compare(second_derivative, upcasting, steps=2, rtol=0, atol=0, reference=reference).ok
+    assert calls == [0, 1]
+    with pytest.raises(TypeError, match="reference"):
+        ca_testkit.compare(second_derivative, "eager", reference=42)  # type: ignore[arg-type]

@@ -34,6 +34,10 @@ before that backward) or a batched grad
 engine, two grad_outputs at once), on top of the checkpoint regions,
 Functions and hooks of every program.
 
+Under a backend outside ``EXACT_BACKENDS`` (inductor) a grad that differs is
+judged against the program run in float64 as well; see [Note: A float64
+reference for rounding backends] in compare.py.
+
     python -m ca_testkit fuzz --examples 5000 --backend none --seed 0
     python -m ca_testkit fuzz --examples 5000 --backend none --combined
 """
@@ -51,6 +55,7 @@ import torch.utils.checkpoint
 __all__ = [
     "ALL_OPS",
     "COMBINED_OPS",
+    "EXACT_BACKENDS",
     "OPS",
     "Program",
     "Step",
@@ -324,20 +329,27 @@ def _leaf_requires_grad(program: Program, variant: Variant) -> tuple[bool, ...]:
     )
 
 
-def run_program(program: Program, index: int = 0) -> tuple[list[torch.Tensor | None], list[str]]:
-    """Builds variant ``index`` of the program and runs its backward(s); returns grads and the hook log."""
+def run_program(
+    program: Program, index: int = 0, dtype: torch.dtype = torch.float32
+) -> tuple[list[torch.Tensor | None], list[str]]:
+    """Builds variant ``index`` of the program and runs its backward(s); returns grads and the hook log.
+
+    The inputs are drawn in float32 whatever ``dtype`` is and then converted,
+    so that a float64 run computes the same program on the same values: the
+    reference of [Note: A float64 reference for rounding backends].
+    """
     variant = program.variants[index]
     log: list[str] = []
-    weight = torch.randn(COLS, COLS, generator=torch.Generator().manual_seed(1)).requires_grad_()
-    lin = torch.nn.Linear(COLS, COLS)
+    weight = torch.randn(COLS, COLS, generator=torch.Generator().manual_seed(1)).to(dtype).requires_grad_()
+    lin = torch.nn.Linear(COLS, COLS, dtype=dtype)
     with torch.no_grad():
         generator = torch.Generator().manual_seed(2)
         for p in lin.parameters():
             p.copy_(torch.randn(p.shape, generator=generator))
     leaves = [
-        torch.randn(
-            variant.rows, COLS, generator=torch.Generator().manual_seed(program.seed + i)
-        ).requires_grad_(rg)
+        torch.randn(variant.rows, COLS, generator=torch.Generator().manual_seed(program.seed + i))
+        .to(dtype)
+        .requires_grad_(rg)
         for i, rg in enumerate(_leaf_requires_grad(program, variant))
     ]
     params: list[torch.Tensor] = [weight, *lin.parameters(), *leaves]
@@ -433,7 +445,7 @@ def _batched_grad(
             torch.autograd.grad(
                 torch.stack(roots).sum(),
                 wrt,
-                grad_outputs=torch.tensor(_GRAD_BATCH),
+                grad_outputs=torch.tensor(_GRAD_BATCH, dtype=roots[0].dtype),
                 retain_graph=retain,
                 allow_unused=True,
                 is_grads_batched=True,
@@ -567,11 +579,21 @@ def _runs_a_backward(program: Program, index: int) -> bool:
     return any(pool[r].requires_grad for r in program.roots)
 
 
-def check_program(program: Program, compiler_fn: Any, impl: str = "ca") -> Any:
+#: Backends whose float arithmetic is eager's, op for op: compared with rtol/atol alone.
+#: Any other (inductor) is judged against a float64 run as well; see
+#: [Note: A float64 reference for rounding backends].
+EXACT_BACKENDS = ("none", "eager", "aot_eager")
+
+
+def check_program(
+    program: Program, compiler_fn: Any, impl: str = "ca", float64_reference: bool = False
+) -> Any:
     """compare() of one program's sequence: eager vs compiled grads and hook logs, every step.
 
     A sequence with a backward must capture something and fall back nowhere:
-    eager's answer from a silent fallback is no pass.
+    eager's answer from a silent fallback is no pass. With
+    ``float64_reference`` a value outside rtol/atol passes when it is within
+    a rounding backend's error of the program run in float64.
     """
     from ca_testkit.compare import TensorDiff, compare
 
@@ -587,12 +609,16 @@ def check_program(program: Program, compiler_fn: Any, impl: str = "ca") -> Any:
             ca_runtime.wait_for_background_compiles()
         return run_program(program, i)
 
+    def reference(i: int) -> Any:
+        return run_program(program, i, dtype=torch.float64)
+
     result = compare(
         step,
         compiler_fn,
         steps=len(program.variants),
         impl=impl,
         expect_capture=backward,
+        reference=reference if float64_reference else None,
     )
     fallbacks = result.stats.get("eager_fallbacks", 0)
     if fallbacks:
@@ -609,7 +635,7 @@ def replay(program: Program, backend: str = "none", impl: str = "ca") -> Any:
     from ca_testkit.implementations import get_implementation
 
     compiler = resolve_backend(backend)  # one compiler object: one cache over the whole sequence
-    result = check_program(program, compiler, impl)
+    result = check_program(program, compiler, impl, float64_reference=backend not in EXACT_BACKENDS)
     print(result.report())
     implementation = get_implementation(impl)
     for label, compiled in (("eager", False), ("compiled", True)):
@@ -642,6 +668,7 @@ def fuzz(
 
     failure: list[Program] = []
     compiler = compiler_fn if compiler_fn is not None else resolve_backend(backend)
+    reference = compiler_fn is None and backend not in EXACT_BACKENDS
 
     @hypothesis_seed(seed)
     @settings(
@@ -655,7 +682,7 @@ def fuzz(
     def check(program: Program) -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            result = check_program(program, compiler, impl)
+            result = check_program(program, compiler, impl, float64_reference=reference)
         if not result.ok:
             failure[:] = [program]
             raise AssertionError(result.report())
