@@ -167,3 +167,51 @@ def test_a_tied_heads_backward_with_inductor_frees_the_logits_grad_early(
         without,
         eager,
     )
+
+
+@pytest.mark.inductor
+@pytest.mark.parametrize("user_set", [None, True], ids=["ours", "user-set-true"])
+def test_a_hit_runs_no_size_asserts_of_its_inputs(
+    monkeypatch: pytest.MonkeyPatch, user_set: bool | None
+) -> None:
+    """size_asserts off: Inductor's code does not re-check each input's sizes and strides on a hit.
+
+    Dynamo's guards checked them before the call; see [Note: Inductor options
+    for backward graphs]. A size_asserts the user set is kept.
+    """
+    calls: list[int] = []
+    check = torch._C._dynamo.guards.assert_size_stride
+
+    def counting_assert_size_stride(*args: Any) -> Any:
+        calls.append(1)
+        return check(*args)
+
+    # Inductor's code binds the function when its module loads, after this.
+    monkeypatch.setattr(torch._C._dynamo.guards, "assert_size_stride", counting_assert_size_stride)
+    cell = torch.nn.RNNCell(4, 6)
+    xs = torch.randn(3, 2, 4)
+    per_backward: list[int] = []
+
+    def step(i: int) -> torch.Tensor:
+        cell.zero_grad(set_to_none=True)  # the same graph every step: accumulating into .grad is another
+        h = torch.zeros(2, 6)
+        for x in xs:
+            h = cell(x, h)
+        calls.clear()
+        h.square().sum().backward()
+        per_backward.append(len(calls))
+        return h.detach()
+
+    revert = torch._inductor.config._make_closure_patcher(
+        fx_graph_cache=False, **({} if user_set is None else {"size_asserts": user_set})
+    )()
+    try:
+        result = compare(step, "inductor", tensors=cell, steps=3)
+    finally:
+        revert()
+    result.assert_ok()
+    assert result.stats["captures"] == 1 and result.stats["cache_hits"] == 2
+    assert result.stats["eager_fallbacks"] == 0 and result.stats["graph_breaks"] == 0
+    hits = per_backward[4:]  # eager's three backwards, the capture, then the two hits
+    inputs = 2 + 3 * 2  # at least: the two weights and two saved tensors per step
+    assert hits == [0, 0] if user_set is None else all(n >= inputs for n in hits), per_backward

@@ -232,11 +232,20 @@ def _collecting_tracing_cycles() -> Iterator[None]:
 # (a 512x1536 MLP grad between two 512x384 ones) stack on it. Freeing early
 # never raises the peak, and the backwards' time did not move beyond the
 # bench's noise (bench/LOG.md, 2026-12-02).
+# size_asserts off drops the assert_size_stride call Inductor's code makes for
+# every graph input on every run (437 on the LSTM of bench/run.py, one per
+# lifted tensor): what they check, each input's sizes and strides, is what
+# Dynamo's guards checked just before, on every call (the OptimizedModule's
+# cache lookup, or guard_manager.check in [Note: Calling Dynamo's cached code
+# directly]); an input that fails them is recompiled for, never run. A hit of
+# the LSTM ran 0.60-0.63x eager without them against 0.665-0.68x with them,
+# the gated cell 0.61-0.64x against 0.69x (bench/LOG.md, 2026-12-05).
 #: Inductor options for a captured backward graph's compile; see the Note above.
 BACKWARD_INDUCTOR_OPTIONS: dict[str, object] = {
     "reorder_for_locality": False,
     "allow_buffer_reuse": False,
     "post_grad_custom_post_pass": UNFUSE_LATE_ADDMM,
+    "size_asserts": False,
 }
 
 
