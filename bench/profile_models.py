@@ -7,9 +7,11 @@ with backend eager and with the no-work compiler) it profiles warm
 compiled autograd (same ``compiler_fn``, 1 CPU thread) and prints:
 
 - each one's top operators by self CPU time (``torch.profiler``);
-- for ours, the breakdown of a cache hit: our walk, the compiled run and our
-  finish (``ca_core`` timings), and inside the run Dynamo's guard check
-  ("TorchDynamo Cache Lookup") and the compiled region's own Python;
+- for ours (timed and compiled), the breakdown of a backward: our walk,
+  lookup (lifting the inputs), the compiled run and our finish, and the
+  whole engine hook (``ca_core`` timings), and inside the run Dynamo's guard
+  check ("ca: Dynamo guard check" on our direct call, "TorchDynamo Cache
+  Lookup" on Dynamo's) and the compiled region's own Python;
 - the kernel floor of each workload: the time eager's backward alone spends
   in the matmul and attention kernels that a compiled backward calls
   unchanged (Inductor calls them as extern kernels, same shapes and
@@ -45,8 +47,18 @@ import torch
 from run import IMPLS, Workload, implementation, make_workload, time_backward
 
 DEFAULT = "mlp:inductor,transformer:inductor,gpt:inductor,chain1000:eager,chain1000:no-work"
+#: Implementations whose backwards ca_core times, step by step.
+TIMED_IMPLS = ("ours", "ours-compiled")
+#: ca_core's timed parts of a backward ([Note: The steps of a backward]);
+#: "hook" is the whole engine hook, the rest its steps.
+HIT_PARTS = ("walk", "lookup", "run", "finish", "hook")
 #: Profiler events that are ours to explain (the rest are kernels).
-OVERHEAD_EVENTS = ("TorchDynamo Cache Lookup", "Torch-Compiled Region", "## Call CompiledFxGraph")
+OVERHEAD_EVENTS = (
+    "TorchDynamo Cache Lookup",
+    "ca: Dynamo guard check",
+    "Torch-Compiled Region",
+    "## Call CompiledFxGraph",
+)
 
 
 def profile(key: str, compiler_name: str, rows: int, repeats: int = 20) -> dict[str, dict[str, float]]:
@@ -55,7 +67,7 @@ def profile(key: str, compiler_name: str, rows: int, repeats: int = 20) -> dict[
     for impl in IMPLS:
         for _ in range(3):
             time_backward(work, impl)
-        ca_core.set_timing(impl == "ours")
+        ca_core.set_timing(impl in TIMED_IMPLS)
         before = ca_core.timings()
         times = [time_backward(work, impl) for _ in range(repeats)]
         after = ca_core.timings()
@@ -68,9 +80,9 @@ def profile(key: str, compiler_name: str, rows: int, repeats: int = 20) -> dict[
             for name in OVERHEAD_EVENTS:
                 if event.key.startswith(name):
                     per_call[name] = per_call.get(name, 0.0) + event.self_cpu_time_total / repeats / 1e3
-        if impl == "ours":
+        if impl in TIMED_IMPLS:
             n = max(after["timed_backwards"] - before["timed_backwards"], 1)
-            for part in ("walk", "run", "finish"):
+            for part in HIT_PARTS:
                 per_call[f"ours {part}"] = (after[f"{part}_ns"] - before[f"{part}_ns"]) / n / 1e6
         summary[impl] = per_call
         print(

@@ -5,8 +5,10 @@ from __future__ import annotations
 import gc
 import logging
 import threading
+import time
 import warnings
 import weakref
+from typing import Any
 
 import ca_core
 import ca_runtime
@@ -384,8 +386,49 @@ def test_step_timings_are_collected_only_when_asked(backend: str) -> None:
     timings = ca_core.timings()
     assert timings["timed_backwards"] == 3
     assert timings["walk_ns"] > 0 and timings["run_ns"] > 0 and timings["finish_ns"] > 0
+    assert timings["lookup_ns"] > 0 and timings["hook_ns"] > 0
     ca_core.reset_counters()
     assert set(ca_core.timings().values()) == {0}
+
+
+def test_the_hook_time_counts_a_nested_backward_once(backend: str) -> None:
+    """hook_ns is the outermost hook's: a backward in a hook is inside it, not added again.
+
+    The nested backward sleeps 0.2 s in its own hook; counted twice, hook_ns
+    would exceed the outer backward's wall time.
+    """
+    x = torch.randn(3, requires_grad=True)
+
+    class Slow(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, y: torch.Tensor) -> torch.Tensor:
+            return y * 2
+
+        @staticmethod
+        def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+            time.sleep(0.2)
+            return g * 2
+
+    def nested(grad: torch.Tensor) -> torch.Tensor:
+        with torch.enable_grad():  # a backward without create_graph runs its hooks without grad mode
+            y = x.detach().requires_grad_()
+            torch.autograd.grad(Slow.apply(y).sum(), y)
+        return grad
+
+    ca_core.reset_counters()
+    try:
+        with ca_runtime.enable(backend):
+            ca_core.set_timing(True)
+            out = x * 3
+            out.register_hook(nested)
+            start = time.perf_counter()
+            out.sum().backward()
+            wall_ns = (time.perf_counter() - start) * 1e9
+    finally:
+        ca_core.set_timing(False)
+    timings = ca_core.timings()
+    assert ca_runtime.stats()["captures"] == 1
+    assert 0.2e9 <= timings["hook_ns"] <= wall_ns
 
 
 def test_a_hit_follows_its_key_path_without_hashing(backend: str) -> None:

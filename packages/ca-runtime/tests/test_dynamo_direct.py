@@ -352,7 +352,11 @@ def test_a_profiled_direct_hit_keeps_dynamos_region(backend: str) -> None:
         with torch.profiler.profile() as prof:
             step(1)
     assert direct_calls() - start == 1
-    assert any(e.name.startswith("Torch-Compiled Region: ") for e in prof.events())
+    names = [e.name for e in prof.events()]
+    assert any(name.startswith("Torch-Compiled Region: ") for name in names)
+    # The lookup that takes the place of Dynamo's own, with its time.
+    assert names.count("ca: Dynamo guard check") == 1
+    assert "TorchDynamo Cache Lookup" not in names
 
 
 def _breakable(backend: str) -> tuple[Callable[[torch.fx.GraphModule], Any], list[bool], list[int]]:

@@ -238,14 +238,20 @@ def test_reset_forgets_records_and_timings() -> None:
         timings = build_report_data().timings
         assert timings is not None and timings["timed_backwards"] == 2
         assert timings["walk_ns"] > 0 and timings["run_ns"] > 0 and timings["finish_ns"] > 0
+        assert timings["lookup_ns"] > 0
+        # The whole hook holds its steps.
+        steps = sum(timings[k] for k in ("walk_ns", "lookup_ns", "run_ns", "finish_ns"))
+        assert timings["hook_ns"] >= steps
         ca_runtime.reset()
         data = build_report_data()
         assert data.captures == [] and data.num_captures == 0
         assert all(n.parent == -1 for n in data.cache_tree)  # at most the empty compiler roots
         assert data.timings == {
             "walk_ns": 0,
+            "lookup_ns": 0,
             "run_ns": 0,
             "finish_ns": 0,
+            "hook_ns": 0,
             "timed_backwards": 0,
             "keys_hashed": 0,
         }

@@ -91,8 +91,9 @@ compile]. One that Dynamo raises all the same (not a compile error), or one
 without a compile id, is raised: running the graph again would run the
 hooks that already ran twice. While ``torch.profiler``
 records, the direct call is wrapped in the "Torch-Compiled Region: <compile
-id>" range Dynamo puts around a hit; its "TorchDynamo Cache Lookup" range is
-not there (the lookup is ours). Differential tests run every
+id>" range Dynamo puts around a hit, and the lookup (ours, in place of
+Dynamo's "TorchDynamo Cache Lookup") in "ca: Dynamo guard check", so that a
+profile shows what the guards cost. Differential tests run every
 ``torch.compile`` backend through this path; tests/test_dynamo_direct.py
 checks each condition above sends the call the normal way.
 """
@@ -202,6 +203,7 @@ class DirectDynamoCall:
     __slots__ = (
         "__weakref__",
         "_code",
+        "_found_compile_id",
         "_frame_id",
         "_functions",
         "_globals",
@@ -238,6 +240,8 @@ class DirectDynamoCall:
         self._frame_id: int | None = None
         #: A frame after the graph's own failed to compile and ran uncompiled (warned once).
         self._later_frames_failed = False
+        #: The compile id of the entry ``_find`` found last (for the profiler's range).
+        self._found_compile_id: Any = None
 
     def _function_for(self, code: types.CodeType) -> types.FunctionType | None:
         known = self._functions.get(id(code))
@@ -249,6 +253,33 @@ class DirectDynamoCall:
         self._functions[id(code)] = (code, function)
         return function
 
+    def _find(self, frame_locals: dict[str, Any]) -> types.FunctionType | None:
+        """The transformed code to run for ``frame_locals``, as the Note says, or None (call Dynamo).
+
+        Its entry's compile id is left in ``_found_compile_id`` (no tuple per hit).
+        """
+        for entry in dynamo_cache_entries(self._code):
+            # Read at once: the entry is Dynamo's C++ object, which a reset on
+            # another thread could free. No object of ours is made per entry:
+            # this is the cache-hit path.
+            backend, guards, code, compile_id = (
+                entry.backend,
+                entry.guard_manager,
+                entry.code,
+                entry.compile_id,
+            )
+            if backend is not self.backend:
+                continue
+            try:
+                passed = guards.check(frame_locals)
+            except Exception:  # noqa: BLE001 - Dynamo's own call reports a guard error
+                return None
+            function = self._function_for(code) if passed else None
+            if function is not None:
+                self._found_compile_id = compile_id
+                return function
+        return None
+
     def __call__(self, inputs: list[Any], sizes: list[Any], scalars: list[Any], hooks: list[Any]) -> Any:
         if dynamo_wrappers_inert():
             frame_locals = {
@@ -258,32 +289,30 @@ class DirectDynamoCall:
                 "scalars": scalars,
                 "hooks": hooks,
             }
-            for entry in dynamo_cache_entries(self._code):
-                # Read at once: the entry is Dynamo's C++ object, which a
-                # reset on another thread could free. No object of ours is
-                # made per entry: this is the cache-hit path.
-                backend, guards, code, compile_id = (
-                    entry.backend,
-                    entry.guard_manager,
-                    entry.code,
-                    entry.compile_id,
-                )
-                if backend is not self.backend:
-                    continue
-                try:
-                    passed = guards.check(frame_locals)
-                except Exception:  # noqa: BLE001 - Dynamo's own call reports a guard error
-                    break
-                function = self._function_for(code) if passed else None
+            if profiler_enabled():
+                # The guard check and the region as ranges; Dynamo's own
+                # call shows "TorchDynamo Cache Lookup" for the first.
+                with torch.autograd.profiler.record_function("ca: Dynamo guard check"):
+                    function = self._find(frame_locals)
+                if function is not None:
+                    _COUNTS.direct_calls += 1
+                    bump_dynamo_generation()
+                    with torch.autograd.profiler.record_function(
+                        f"Torch-Compiled Region: {self._found_compile_id}"
+                    ):
+                        return function(self.gm, inputs, sizes, scalars, hooks)
+            else:
+                function = self._find(frame_locals)
                 if function is not None:
                     _COUNTS.direct_calls += 1
                     # What Dynamo's per-call enter hook does besides its
                     # one-time patch; see _torch_interop's _COMPILE_ONLY_HOOKS.
                     bump_dynamo_generation()
-                    if profiler_enabled():
-                        with torch.autograd.profiler.record_function(f"Torch-Compiled Region: {compile_id}"):
-                            return function(self.gm, inputs, sizes, scalars, hooks)
                     return function(self.gm, inputs, sizes, scalars, hooks)
+        return self._dynamo_call(inputs, sizes, scalars, hooks)
+
+    def _dynamo_call(self, inputs: list[Any], sizes: list[Any], scalars: list[Any], hooks: list[Any]) -> Any:
+        """The OptimizedModule called as Dynamo calls it; see the Notes above for its failures."""
         if self._recompile_failed:
             return self._run_uncompiled(inputs, sizes, scalars, hooks)
         # See [Note: A later frame that fails to compile].

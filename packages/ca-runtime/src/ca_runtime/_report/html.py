@@ -104,7 +104,7 @@ def _overview(data: ReportData) -> str:
     backwards = t["timed_backwards"] if t else 0
 
     def ns(key: str) -> tuple[str, str]:
-        if t is None:
+        if t is None or key not in t:  # not collected, or a report saved before the key existed
             return "—", "—"
         total = t[key] / 1e9
         return _seconds(total), (_seconds(total / backwards) if backwards else "—")
@@ -124,6 +124,7 @@ def _overview(data: ReportData) -> str:
         hit_runs = (_seconds(on_hits), per(on_hits, data.counters.get("cache_hits", 0)))
     rows = [
         ("walk of the autograd graph (every backward)", *ns("walk_ns"), "timed backward"),
+        ("lookup: the entry, lifting the graph's inputs", *ns("lookup_ns"), "timed backward"),
         ("capture: building the FX graph (misses)", _seconds(data.seconds.get(Stage.CAPTURE, 0.0)), "", ""),
         ("compile: the compiler_fn call (misses)", _seconds(data.seconds.get(Stage.COMPILE, 0.0)), "", ""),
         (
@@ -134,6 +135,7 @@ def _overview(data: ReportData) -> str:
         ),
         ("compiled runs on cache hits", *hit_runs, "cache hit"),
         ("finish: leaf accumulation and callbacks", *ns("finish_ns"), "timed backward"),
+        ("the whole engine hook (the above and the rest)", *ns("hook_ns"), "timed backward"),
     ]
     times = _table(("stage", "total", "average", "per"), [(e(a), e(b), e(c_), e(d)) for a, b, c_, d in rows])
     if t is None:

@@ -52,7 +52,7 @@ class ReportData:
     versions: dict[str, str]
     #: ``ca_runtime.stats()``.
     counters: dict[str, int]
-    #: ``ca_core.timings()`` (walk_ns, run_ns, finish_ns, timed_backwards, keys_hashed), or
+    #: ``ca_core.timings()`` (walk_ns, lookup_ns, run_ns, finish_ns, hook_ns, timed_backwards, keys_hashed), or
     #: None when timings were not collected.
     timings: dict[str, int] | None
     #: Seconds per miss-path stage.
