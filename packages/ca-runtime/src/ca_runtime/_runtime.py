@@ -53,8 +53,10 @@ with the time each stage took.
 from __future__ import annotations
 
 import contextlib
+import dis
 import functools
 import gc
+import inspect
 import logging
 import sys
 import threading
@@ -297,37 +299,117 @@ _HOOK_CHANGES = frozenset(
 )
 
 
-def _code_names_a_hook_change(code: types.CodeType) -> bool:
-    """Whether ``code``, or code defined in it, names one of ``_HOOK_CHANGES``."""
-    if not _HOOK_CHANGES.isdisjoint(code.co_names):
-        return True
-    return any(
-        isinstance(const, types.CodeType) and _code_names_a_hook_change(const) for const in code.co_consts
-    )
+#: How many functions the look at one graph's hook code follows at most; see [Note: Which captures wait].
+_MAX_FUNCTIONS_FOLLOWED = 64
 
 
-def _codes_called(obj: object) -> Iterator[types.CodeType]:
-    """The code objects calling ``obj`` runs first: a function's, a method's, a partial's, a Function ctx's backward."""
+class _HookCodeScan:
+    """The look at the code a graph's hooks run: theirs, code defined in it, and the functions it calls by name.
+
+    A called function is followed when the name resolves, without running
+    anything, to a Python function: a global of the calling function's
+    module, a function in its closure, or (for a bound method's code) a
+    method of its object's class. At most ``_MAX_FUNCTIONS_FOLLOWED``
+    functions, each once.
+    """
+
+    def __init__(self) -> None:
+        self.seen: set[types.CodeType] = set()
+
+    def function_names_a_hook_change(self, function: types.FunctionType, owner: type | None = None) -> bool:
+        closure = tuple(cell.cell_contents for cell in function.__closure__ or () if _cell_has_contents(cell))
+        return self.code_names_a_hook_change(function.__code__, function.__globals__, closure, owner)
+
+    def code_names_a_hook_change(
+        self,
+        code: types.CodeType,
+        globals_: dict[str, Any],
+        closure: tuple[object, ...] = (),
+        owner: type | None = None,
+    ) -> bool:
+        if code in self.seen:
+            return False
+        self.seen.add(code)
+        if not _HOOK_CHANGES.isdisjoint(code.co_names):
+            return True
+        for const in code.co_consts:
+            if isinstance(const, types.CodeType) and self.code_names_a_hook_change(
+                const, globals_, (), owner
+            ):
+                return True
+        global_names, attribute_names = _names_loaded(code)
+        called = [globals_.get(name) for name in global_names]
+        called += closure
+        if owner is not None:
+            called += [inspect.getattr_static(owner, name, None) for name in attribute_names]
+        for target in called:
+            function = target.__func__ if isinstance(target, (staticmethod, classmethod)) else target
+            if not isinstance(function, types.FunctionType) or function.__code__ in self.seen:
+                continue
+            if len(self.seen) >= _MAX_FUNCTIONS_FOLLOWED:
+                return False
+            if self.function_names_a_hook_change(function, owner):
+                return True
+        return False
+
+
+def _names_loaded(code: types.CodeType) -> tuple[list[str], list[str]]:
+    """The names ``code`` loads as globals, and those it loads as attributes (``x.name``), in order."""
+    global_names: list[str] = []
+    attribute_names: list[str] = []
+    for instruction in dis.get_instructions(code):
+        if instruction.opname == "LOAD_GLOBAL":
+            global_names.append(instruction.argval)
+        elif instruction.opname in ("LOAD_ATTR", "LOAD_METHOD"):
+            attribute_names.append(instruction.argval)
+    return global_names, attribute_names
+
+
+def _cell_has_contents(cell: types.CellType) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018 - an empty cell raises
+    except ValueError:
+        return False
+    return True
+
+
+def _functions_run_by(obj: object) -> Iterator[tuple[types.FunctionType, type | None]]:
+    """The Python functions calling ``obj`` runs first, each with the class whose methods it may call by name.
+
+    A function's own, a bound method's (its object's class), a partial's
+    function, a callable instance's ``__call__`` (its class), a Python
+    Function ctx's backward and vjp (the Function's class).
+    """
     forward_cls = getattr(type(obj), "_forward_cls", None)
-    if forward_cls is not None:  # a Python Function's ctx: its backward (or vjp) runs
+    if forward_cls is not None:
         for name in ("backward", "vjp"):
-            code = getattr(getattr(forward_cls, name, None), "__code__", None)
-            if isinstance(code, types.CodeType):
-                yield code
+            method = inspect.getattr_static(forward_cls, name, None)
+            function = getattr(method, "__func__", method)
+            if isinstance(function, types.FunctionType):
+                yield function, forward_cls
         return
     while isinstance(obj, functools.partial):
         obj = obj.func
-    obj = getattr(obj, "__func__", obj)  # a bound method
-    code = getattr(obj, "__code__", None)
-    if code is None and callable(obj) and not isinstance(obj, type):
-        code = getattr(type(obj).__call__, "__code__", None)  # a callable instance
-    if isinstance(code, types.CodeType):
-        yield code
+    if isinstance(obj, types.MethodType):
+        function, owner = obj.__func__, type(obj.__self__)
+    elif isinstance(obj, types.FunctionType):
+        function, owner = obj, None
+    elif callable(obj) and not isinstance(obj, type):
+        function, owner = inspect.getattr_static(type(obj), "__call__", None), type(obj)
+    else:
+        return
+    if isinstance(function, types.FunctionType):
+        yield function, owner
 
 
 def _names_a_hook_change(hooks: Sequence[object]) -> bool:
     """Whether code the graph would call names a hook registration or removal; see [Note: Which captures wait]."""
-    return any(_code_names_a_hook_change(code) for obj in hooks for code in _codes_called(obj))
+    scan = _HookCodeScan()
+    return any(
+        scan.function_names_a_hook_change(function, owner)
+        for obj in hooks
+        for function, owner in _functions_run_by(obj)
+    )
 
 
 class Runtime:
@@ -378,7 +460,13 @@ class Runtime:
           of other nodes, which eager reads only when it reaches them) runs
           eagerly, and ca_core compares the nodes' hooks after it, so such a
           change is found before any graph calls the hooks its walk found;
-          see [Note: Hooks changed while a graph runs] in ca_core.
+          see [Note: Hooks changed while a graph runs] in ca_core. The look
+          reads the hooks' code, code defined in it, and the Python
+          functions that code calls by a name that resolves without running
+          anything (``_HookCodeScan``: a global of its module, a function in
+          its closure, a method of a bound method's class), theirs in turn,
+          up to 64 functions: a hook that swaps hooks through a helper is
+          found as one that does it itself.
         """
         if sightings + 1 < self.capture_after or _inside_gradcheck():
             return True
