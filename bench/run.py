@@ -53,6 +53,7 @@ import torch._inductor.config
 import torch.utils.checkpoint
 from ca_testkit.implementations import IMPLEMENTATIONS, as_compiler, get_implementation
 from ca_testkit.memory import backward_tensor_peak_bytes as tensor_peak_bytes
+from ca_testkit.scenarios import Decoder
 from torch._dynamo.utils import counters
 
 IMPLS = ("eager", "torch", "ours", "ours-compiled")
@@ -180,46 +181,6 @@ def chain(n: int) -> Workload:
         return y.sum()
 
     return Workload(f"chain {n}", forward, None, params=[x])
-
-
-class Decoder(torch.nn.Module):
-    """A GPT-style decoder: token + position embeddings, pre-norm causal blocks, tied head."""
-
-    def __init__(
-        self, vocab: int = 512, d: int = 256, heads: int = 4, layers: int = 4, seq: int = 64
-    ) -> None:
-        super().__init__()
-        self.heads = heads
-        self.embed = torch.nn.Embedding(vocab, d)
-        torch.nn.init.normal_(self.embed.weight, std=0.02)
-        self.pos = torch.nn.Parameter(torch.randn(seq, d) * 0.02)
-        self.blocks = torch.nn.ModuleList(
-            torch.nn.ModuleDict(
-                {
-                    "ln1": torch.nn.LayerNorm(d),
-                    "qkv": torch.nn.Linear(d, 3 * d),
-                    "proj": torch.nn.Linear(d, d),
-                    "ln2": torch.nn.LayerNorm(d),
-                    "up": torch.nn.Linear(d, 4 * d),
-                    "down": torch.nn.Linear(4 * d, d),
-                }
-            )
-            for _ in range(layers)
-        )
-        self.ln = torch.nn.LayerNorm(d)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        b, s = tokens.shape
-        h = self.embed(tokens) + self.pos[:s]
-        for blk in self.blocks:
-            q, k, v = blk["qkv"](blk["ln1"](h)).view(b, s, 3, self.heads, -1).unbind(2)
-            att = torch.nn.functional.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
-            )
-            h = h + blk["proj"](att.transpose(1, 2).reshape(b, s, -1))
-            h = h + blk["down"](torch.nn.functional.gelu(blk["up"](blk["ln2"](h))))
-        logits = self.ln(h) @ self.embed.weight.t()
-        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.roll(-1, 1).flatten())
 
 
 def gpt() -> Workload:

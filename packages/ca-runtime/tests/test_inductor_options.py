@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import ca_runtime
 import pytest
 import torch
+from ca_runtime import _inductor_buffer_reuse
+from ca_runtime._inductor_buffer_reuse import keeps_peak
 from ca_runtime._inductor_passes import UNFUSE_LATE_ADDMM
 from ca_runtime._runtime import BACKWARD_INDUCTOR_OPTIONS
+from ca_runtime._torch_interop import InductorReuseCandidate
 from ca_testkit import compare
 from ca_testkit.memory import backward_tensor_peak_bytes
-from ca_testkit.scenarios import make_mlp, mlp_step
+from ca_testkit.scenarios import Decoder, make_mlp, mlp_step
 
 aten = torch.ops.aten
 
@@ -100,6 +104,21 @@ def test_a_bias_addmm_or_one_of_small_matrices_is_kept(late_input: bool, rows: i
     assert _targets(gm) == before and aten.addmm.default in before
 
 
+def _zeroed_forward_and_step(model: torch.nn.Module, tokens: torch.Tensor) -> tuple[Any, Any]:
+    """``forward()`` (grads set to None, then the loss) and ``step()`` (forward and backward) of ``model`` on ``tokens``."""
+
+    def forward() -> torch.Tensor:
+        model.zero_grad(set_to_none=True)
+        return model(tokens)
+
+    def step() -> torch.Tensor:
+        loss = forward()
+        loss.backward()
+        return loss
+
+    return forward, step
+
+
 class _TiedHead(torch.nn.Module):
     """An embedding tied to the output head, as a GPT's: the weight's two grads are summed at the end."""
 
@@ -129,15 +148,7 @@ def test_a_tied_heads_backward_with_inductor_frees_the_logits_grad_early(
     torch.manual_seed(0)
     model = _TiedHead()
     tokens = torch.randint(0, 256, (8, 64))
-
-    def forward() -> torch.Tensor:
-        model.zero_grad(set_to_none=True)
-        return model(tokens)
-
-    def step() -> torch.Tensor:
-        loss = forward()
-        loss.backward()
-        return loss
+    forward, step = _zeroed_forward_and_step(model, tokens)
 
     compiler = lambda gm: torch.compile(gm, backend="inductor")
     result = compare(step, compiler, tensors=model, steps=3, rtol=1e-4, atol=1e-5)
@@ -169,6 +180,22 @@ def test_a_tied_heads_backward_with_inductor_frees_the_logits_grad_early(
     )
 
 
+def _counted_calls(monkeypatch: pytest.MonkeyPatch, name: str) -> list[int]:
+    """A list that gets an item per call of ``torch._C._dynamo.guards.<name>``, which Inductor's code calls.
+
+    Inductor's code binds the function when its module loads, after this.
+    """
+    calls: list[int] = []
+    function = getattr(torch._C._dynamo.guards, name)
+
+    def counting(*args: Any) -> Any:
+        calls.append(1)
+        return function(*args)
+
+    monkeypatch.setattr(torch._C._dynamo.guards, name, counting)
+    return calls
+
+
 @pytest.mark.inductor
 @pytest.mark.parametrize("user_set", [None, True], ids=["ours", "user-set-true"])
 def test_a_hit_runs_no_size_asserts_of_its_inputs(
@@ -179,15 +206,7 @@ def test_a_hit_runs_no_size_asserts_of_its_inputs(
     Dynamo's guards checked them before the call; see [Note: Inductor options
     for backward graphs]. A size_asserts the user set is kept.
     """
-    calls: list[int] = []
-    check = torch._C._dynamo.guards.assert_size_stride
-
-    def counting_assert_size_stride(*args: Any) -> Any:
-        calls.append(1)
-        return check(*args)
-
-    # Inductor's code binds the function when its module loads, after this.
-    monkeypatch.setattr(torch._C._dynamo.guards, "assert_size_stride", counting_assert_size_stride)
+    calls = _counted_calls(monkeypatch, "assert_size_stride")
     cell = torch.nn.RNNCell(4, 6)
     xs = torch.randn(3, 2, 4)
     per_backward: list[int] = []
@@ -215,3 +234,208 @@ def test_a_hit_runs_no_size_asserts_of_its_inputs(
     hits = per_backward[4:]  # eager's three backwards, the capture, then the two hits
     inputs = 2 + 3 * 2  # at least: the two weights and two saved tensors per step
     assert hits == [0, 0] if user_set is None else all(n >= inputs for n in hits), per_backward
+
+
+def _reuse(
+    levels: list[int], inputs: list[tuple[int, int]], freed_after: int, allocated_at: int, size: int
+) -> InductorReuseCandidate:
+    """A reuse over Inductor's estimated ``levels`` per node, with ``inputs`` as (last reader, bytes)."""
+    return InductorReuseCandidate(
+        freed_after=freed_after,
+        allocated_at=allocated_at,
+        size=size,
+        estimated_level=lambda first, last: max(levels[first : last + 1]),
+        input_bytes_freed_by=lambda node: sum(nbytes for reader, nbytes in inputs if reader <= node),
+    )
+
+
+def _inductors_own_check(levels: list[int], freed_after: int, allocated_at: int, size: int) -> bool:
+    """Inductor's check (AllocateLine.should_reuse_buffer): the range's estimated peak plus the buffer, within the graph's."""
+    return size + max(levels[freed_after + 1 : allocated_at]) <= max(levels)
+
+
+def test_keeps_peak_reuses_a_buffer_freed_by_the_node_before() -> None:
+    """No node holds the dead buffer longer: as Inductor's own check; see [Note: Buffer reuse that keeps the peak]."""
+    assert keeps_peak(_reuse([10, 50], [], freed_after=0, allocated_at=1, size=40))
+
+
+def test_keeps_peak_reuses_within_a_level_the_graphs_own_buffers_reached_before() -> None:
+    # Node 0 reached 12 (its own buffers); the buffer (2 bytes) dies after node 1 and is held through node 2 (5).
+    assert keeps_peak(_reuse([12, 6, 5, 7], [], freed_after=1, allocated_at=3, size=2))
+    # A range that would go above: 2 + 11 > 12.
+    assert not keeps_peak(_reuse([12, 6, 11, 7], [], freed_after=1, allocated_at=3, size=2))
+
+
+def test_keeps_peak_counts_an_input_the_estimate_frees_as_held() -> None:
+    """The estimate's room from an input freed after its last reader is not the graph's to use.
+
+    Node 0 reads an 8-byte input (a parameter, which the model keeps) and
+    last reads a 2-byte buffer; node 1 allocates 6 bytes. Inductor's estimate
+    (8 + 2 at node 0, 6 after) lets the 2 bytes be held through nodes 1-2;
+    with the parameter held, the real level there is 14, and 16 with the
+    reuse: above every level the backward had.
+    """
+    levels = [10, 6, 6, 2]
+    assert _inductors_own_check(levels, freed_after=0, allocated_at=3, size=2)
+    assert not keeps_peak(_reuse(levels, [(0, 8)], freed_after=0, allocated_at=3, size=2))
+    # The same levels with no input: the graph's own buffers reached 10 before, 2 + 6 stays under it.
+    assert keeps_peak(_reuse(levels, [], freed_after=0, allocated_at=3, size=2))
+
+
+def _unrolled(cell: torch.nn.LSTMCell, xs: torch.Tensor) -> torch.Tensor:
+    """The last hidden state of ``cell`` run over the steps of ``xs`` (steps x batch x features) from zeros."""
+    h = c = torch.zeros(xs.shape[1], cell.hidden_size)
+    for x in xs:
+        h, c = cell(x, (h, c))
+    return h
+
+
+def _allocations_per_hit(monkeypatch: pytest.MonkeyPatch, **options: Any) -> int:
+    """Buffers Inductor's code allocates on each hit of an unrolled LSTMCell's backward, with eager's grads."""
+    calls = _counted_calls(monkeypatch, "_empty_strided_cpu")
+    torch.manual_seed(0)
+    cell = torch.nn.LSTMCell(4, 8)
+    # Steps enough for a grad's buffers to die and come back in a range
+    # below earlier levels (with 6 or 12 steps, none is).
+    xs = torch.randn(16, 4, 4)
+    per_backward: list[int] = []
+
+    def step(i: int) -> torch.Tensor:
+        cell.zero_grad(set_to_none=True)
+        h = _unrolled(cell, xs)
+        calls.clear()
+        h.square().sum().backward()
+        per_backward.append(len(calls))
+        return h.detach()
+
+    # No cache: the two configurations share its keys.
+    revert = torch._inductor.config._make_closure_patcher(fx_graph_cache=False, **options)()
+    try:
+        with torch._functorch.config.patch(enable_autograd_cache=False):
+            result = compare(step, "inductor", tensors=cell, steps=3, rtol=1e-5, atol=1e-6)
+    finally:
+        revert()
+    result.assert_ok()
+    assert result.stats["captures"] == 1 and result.stats["cache_hits"] == 2
+    assert result.stats["eager_fallbacks"] == 0 and result.stats["graph_breaks"] == 0
+    hits = per_backward[4:]  # eager's three backwards, the capture, then the two hits
+    assert len(hits) == 2 and hits[0] == hits[1] > 0, per_backward
+    return hits[0]
+
+
+@pytest.mark.inductor
+def test_a_hit_allocates_fewer_buffers_with_reuse_that_keeps_the_peak(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """allow_buffer_reuse on with our rule: fewer allocations per hit than with it off (which a user may set).
+
+    Some of them held across nodes, which our rule (keeps_peak) allowed;
+    Inductor reuses a buffer freed by the node just before without asking it.
+    """
+    allowed_across: list[int] = []
+
+    def recording_keeps_peak(candidate: InductorReuseCandidate) -> bool:
+        keeps = keeps_peak(candidate)
+        if keeps and candidate.allocated_at > candidate.freed_after + 1:
+            allowed_across.append(candidate.allocated_at - candidate.freed_after)
+        return keeps
+
+    monkeypatch.setattr(_inductor_buffer_reuse, "keeps_peak", recording_keeps_peak)
+    ours = _allocations_per_hit(monkeypatch)
+    assert allowed_across, "keeps_peak allowed no reuse across nodes"
+    ca_runtime.reset()
+    torch._dynamo.reset()
+    without = _allocations_per_hit(monkeypatch, allow_buffer_reuse=False)
+    assert ours < without, (ours, without)
+
+
+@pytest.mark.inductor
+def test_a_decoders_peak_stays_at_eagers_with_our_reuse_and_not_with_inductors_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Inductor's own reuse check raises this backward's peak of live tensor bytes above eager's; ours does not.
+
+    See [Note: Buffer reuse that keeps the peak]: Inductor's estimate frees
+    the parameters the nodes read, so its later levels look lower than they are.
+    """
+    torch.manual_seed(0)
+    model = Decoder(vocab=256, d=64, heads=2, layers=2, seq=32)
+    tokens = torch.randint(0, 256, (2, 32))
+    forward, step = _zeroed_forward_and_step(model, tokens)
+
+    def peak() -> int:
+        ca_runtime.reset()
+        torch._dynamo.reset()
+        compiler = lambda gm: torch.compile(gm, backend="inductor")
+        result = compare(step, compiler, tensors=model, steps=2, rtol=1e-4, atol=1e-5)
+        result.assert_ok()
+        assert result.stats["captures"] == 1 and result.stats["cache_hits"] >= 1, result.stats
+        assert result.stats["eager_fallbacks"] == 0 and result.stats["graph_breaks"] == 0, result.stats
+        hits = ca_runtime.stats()["cache_hits"]
+        with ca_runtime.enable(compiler):
+            found, _ = backward_tensor_peak_bytes(forward)
+        assert ca_runtime.stats()["cache_hits"] == hits + 1, ca_runtime.stats()
+        return found
+
+    with ca_runtime.disable():
+        eager, _ = backward_tensor_peak_bytes(forward)
+    # No cache: the two reuse rules share its keys.
+    revert = torch._inductor.config._make_closure_patcher(fx_graph_cache=False)()
+    try:
+        with torch._functorch.config.patch(enable_autograd_cache=False):
+            ours = peak()
+            monkeypatch.setattr(
+                ca_runtime._runtime, "peak_keeping_reuse", lambda applies: contextlib.nullcontext()
+            )
+            inductors = peak()
+    finally:
+        revert()
+    assert ours <= eager < inductors, (ours, eager, inductors)
+
+
+def _kernels_per_hit(**options: Any) -> tuple[int, Any]:
+    """Inductor kernels one hit of an LSTMCell's backward (48 steps) runs, and the compare result of its steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    cell, head = torch.nn.LSTMCell(8, 64), torch.nn.Linear(64, 1)
+    xs, target = torch.randn(48, 16, 8), torch.randn(16, 1)
+    params = torch.nn.ModuleList([cell, head])
+    kernels: list[int] = []
+
+    def step(i: int) -> torch.Tensor:
+        params.zero_grad(set_to_none=True)
+        h = _unrolled(cell, xs)
+        loss = torch.nn.functional.mse_loss(head(h), target)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            loss.backward()
+        kernels.append(sum(1 for e in prof.events() if "cpp_fused" in e.name))
+        return loss.detach()
+
+    # Each kernel in a profiler range of its own (cpp.enable_kernel_profile); no cache: configurations share keys.
+    revert = torch._inductor.config._make_closure_patcher(
+        fx_graph_cache=False, **{"cpp.enable_kernel_profile": True}, **options
+    )()
+    try:
+        with torch._functorch.config.patch(enable_autograd_cache=False):
+            result = compare(step, "inductor", tensors=params, steps=2, rtol=1e-4, atol=1e-6)
+    finally:
+        revert()
+    return kernels[-1], result
+
+
+@pytest.mark.inductor
+def test_an_unrolled_cells_per_step_grad_sums_run_in_one_kernel() -> None:
+    """max_fusion_size 512: the 48 steps' bias-grad sums fuse into one kernel at the end, as torch.compile's backward has.
+
+    See [Note: Inductor options for backward graphs]: with Inductor's 64, 19
+    of them ran as kernels of their own (69 kernels a hit against 49).
+    """
+    ours, result = _kernels_per_hit()
+    result.assert_ok()
+    assert result.stats["captures"] == 1 and result.stats["cache_hits"] >= 1, result.stats
+    assert result.stats["eager_fallbacks"] == 0 and result.stats["graph_breaks"] == 0, result.stats
+    ca_runtime.reset()
+    torch._dynamo.reset()
+    inductors_default, _ = _kernels_per_hit(max_fusion_size=64)
+    assert ours < inductors_default, (ours, inductors_default)

@@ -678,3 +678,47 @@ def test_30_under_vmap_sees_functorch_and_the_legacy_vmap_and_leaves_the_nesting
     torch.autograd.grad(y, x, torch.ones(2), is_grads_batched=True)
     assert seen == [True, True]
     assert not _torch_interop.under_vmap()  # reading the legacy nesting left it as it was
+
+
+def test_31_the_reuse_rule_wraps_inductors_check_once_and_asks_it_only_where_it_applies() -> None:
+    from torch._inductor.codegen.segmented_tree import SegmentedTree
+    from torch._inductor.codegen.wrapper import AllocateLine, EfficientPeakEstimate, FreeIfNotReusedLine
+    from torch._inductor.memory import get_freeable_input_buf
+
+    assert list(inspect.signature(AllocateLine.should_reuse_buffer).parameters) == [
+        "self",
+        "free_line",
+        "size",
+    ]
+    assert list(inspect.signature(get_freeable_input_buf).parameters) == ["nodes", "graph_inputs"]
+    for line in (AllocateLine, FreeIfNotReusedLine):
+        assert "self.scheduler_node_index = " in inspect.getsource(line.__post_init__)
+    inductors_check = getattr(
+        AllocateLine.should_reuse_buffer, "__wrapped__", AllocateLine.should_reuse_buffer
+    )
+    assert "self.wrapper.estimate_peak" in inspect.getsource(inductors_check)
+    assert "segmented_tree" in inspect.getsource(EfficientPeakEstimate.__init__)
+    tree = SegmentedTree([3, 1, 4, 1], lambda a, b: a + b, max, 0)
+    assert (tree.n, tree.summarize_range(1, 2)) == (4, 4)
+
+    saved = list(_torch_interop._reuse_rule)
+    asked: list[Any] = []
+    try:
+        _torch_interop.install_inductor_reuse_rule(
+            lambda candidate: asked.append(candidate) or True, lambda: False
+        )
+        wrapped = AllocateLine.should_reuse_buffer
+        _torch_interop.install_inductor_reuse_rule(lambda candidate: True, lambda: False)
+        assert AllocateLine.should_reuse_buffer is wrapped  # wrapped once; the rule replaced
+
+        class Line:  # as much of an AllocateLine as the wrapper reads before it asks the rule
+            scheduler_node_index = 4
+
+        # Right after the free: reused without asking, as Inductor's own check does.
+        _torch_interop.install_inductor_reuse_rule(
+            lambda candidate: asked.append(candidate) or False, lambda: True
+        )
+        free = type("Free", (), {"scheduler_node_index": 3})()
+        assert wrapped(Line(), free, 64) is True and asked == []
+    finally:
+        _torch_interop._reuse_rule[:] = saved

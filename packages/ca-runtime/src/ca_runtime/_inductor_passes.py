@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from ca_runtime import _inductor_buffer_reuse, _torch_interop
 from ca_runtime._torch_interop import CustomGraphPass, get_hash_for_files
 
 aten = torch.ops.aten
@@ -69,7 +70,8 @@ class UnfuseLateAddmm(CustomGraphPass):
             graph.erase_node(node)
 
     def uuid(self) -> Any:
-        return get_hash_for_files((__file__,))
+        # Keys Inductor's cache for our graphs, whose buffer reuse the other two files decide.
+        return get_hash_for_files((__file__, _inductor_buffer_reuse.__file__, _torch_interop.__file__))
 
 
 #: The one instance BACKWARD_INDUCTOR_OPTIONS sets (Inductor keys its caches by its uuid).

@@ -74,6 +74,7 @@ from ca_runtime._capture import UnsupportedNode, build_graph_module
 from ca_runtime._compiler_key import compiler_name, note_first_capture
 from ca_runtime._dynamo_direct import wrap_if_dynamo_module
 from ca_runtime._graph_ops import call_user, raised_by_user_code
+from ca_runtime._inductor_buffer_reuse import peak_keeping_reuse
 from ca_runtime._inductor_passes import UNFUSE_LATE_ADDMM
 from ca_runtime._log import (
     EagerFallbackWarning,
@@ -228,12 +229,19 @@ def _collecting_tracing_cycles() -> Iterator[None]:
 # bench/LOG.md, 2026-12-02):
 # post_grad_custom_post_pass is ca_runtime's own pass, see [Note: An
 # accumulated mm computed where its inputs are] (_inductor_passes.py), and
-# allow_buffer_reuse off frees each buffer when it dies, as eager's allocator
-# does: Inductor's reuse keeps a dead buffer until a later kernel writes an
+# allow_buffer_reuse is on with a rule of ours deciding each reuse, see
+# [Note: Buffer reuse that keeps the peak] (_inductor_buffer_reuse.py):
+# Inductor's own check kept a dead buffer until a later kernel wrote an
 # output of its size, and in a backward the larger grads allocated in between
-# (a 512x1536 MLP grad between two 512x384 ones) stack on it. Freeing early
-# never raises the peak, and the backwards' time did not move beyond the
-# bench's noise (bench/LOG.md, 2026-12-02).
+# (a 512x1536 MLP grad between two 512x384 ones) stacked on it. A user's own
+# post_grad_custom_post_pass turns reuse off (ours is keyed by our pass).
+# max_fusion_size 512 (Inductor's default 64 nodes per fused kernel): a
+# parameter used at every step of an unrolled cell gets a grad reduction per
+# step (an LSTMCell's biases: a sum over the batch), which Inductor fuses
+# into one kernel at the end as in torch.compile's own backward of the model;
+# at 64 it stopped at 29 of the LSTM's 48 steps and ran 19 reductions as
+# kernels of their own (69 kernels per run against 49; the peak of live
+# tensor bytes went from 0.139 to 0.063 MiB, bench/LOG.md, 2026-12-05).
 # size_asserts off drops the assert_size_stride call Inductor's code makes for
 # every graph input on every run (437 on the LSTM of bench/run.py, one per
 # lifted tensor): what they check, each input's sizes and strides, is what
@@ -245,9 +253,10 @@ def _collecting_tracing_cycles() -> Iterator[None]:
 #: Inductor options for a captured backward graph's compile; see the Note above.
 BACKWARD_INDUCTOR_OPTIONS: dict[str, object] = {
     "reorder_for_locality": False,
-    "allow_buffer_reuse": False,
+    "allow_buffer_reuse": True,
     "post_grad_custom_post_pass": UNFUSE_LATE_ADDMM,
     "size_asserts": False,
+    "max_fusion_size": 512,
 }
 
 
@@ -263,14 +272,20 @@ def _backward_inductor_options() -> Iterator[None]:
     unset = {
         name: value for name, value in BACKWARD_INDUCTOR_OPTIONS.items() if is_default and is_default(name)
     }
-    if not unset:
-        yield
-        return
-    revert = config._make_closure_patcher(**unset)()
-    try:
-        yield
-    finally:
-        revert()
+    # Reuse is ours to decide only with our pass, whose uuid keys Inductor's
+    # cache for it; else off (see [Note: Buffer reuse that keeps the peak]).
+    keep_peak = unset.get("allow_buffer_reuse") is True and "post_grad_custom_post_pass" in unset
+    if "allow_buffer_reuse" in unset and not keep_peak:
+        unset["allow_buffer_reuse"] = False
+    with peak_keeping_reuse(keep_peak):
+        if not unset:
+            yield
+            return
+        revert = config._make_closure_patcher(**unset)()
+        try:
+            yield
+        finally:
+            revert()
 
 
 #: The file of torch.autograd.gradcheck and gradgradcheck; see [Note: Which captures wait].

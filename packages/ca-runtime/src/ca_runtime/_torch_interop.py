@@ -158,6 +158,16 @@ Used through this module:
      backward runs inside a vmap or another functorch transform, where Dynamo
      cannot trace the graph's batched tensors and the graph runs as Python
      (``under_vmap``; _node_rules.py's CopySlices row).
+  31. Inductor's buffer reuse in the code it generates: the method that
+     decides one (``torch._inductor.codegen.wrapper.AllocateLine.should_reuse_buffer``,
+     wrapped once per process so that a rule of ours decides for our graphs),
+     the free and allocation lines' ``scheduler_node_index``, the wrapper's
+     ``estimate_peak`` (Inductor's estimated level per scheduler node, a
+     ``SegmentedTree`` queried with ``summarize_range``), ``V.graph``'s
+     ``scheduler.nodes`` and ``graph_inputs``, and
+     ``torch._inductor.memory.get_freeable_input_buf`` (each input's readers
+     and bytes); see [Note: Buffer reuse that keeps the peak] in
+     _inductor_buffer_reuse.py.
 Used in place, because they are what the module is about:
   6. AOTAutograd's ``CompiledFunction`` internals in _aot.py (``_aot_id``,
      ``_bw_prologue_fn``, ``metadata``, ``maybe_subclass_metadata``,
@@ -181,7 +191,9 @@ wrapped the same way.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import dataclasses
 import functools
 import linecache
 import logging
@@ -208,6 +220,7 @@ __all__ = [
     "CustomGraphPass",
     "DynamoCompileContexts",
     "FakeBackwardCFunction",
+    "InductorReuseCandidate",
     "TorchCompileInductorWrapper",
     "TorchGlobalState",
     "aot_autograd_bundles_its_cache",
@@ -236,6 +249,7 @@ __all__ = [
     "inductor_compile_fx",
     "inductor_compile_fx_inner",
     "inductor_config",
+    "install_inductor_reuse_rule",
     "is_generated_vmap_rule",
     "is_plain_torch_compile_of",
     "keep_hook_across_torch_disable",
@@ -1192,3 +1206,95 @@ def inductor_config() -> Any:
     import torch._inductor.config
 
     return torch._inductor.config
+
+
+@dataclasses.dataclass(frozen=True)
+class InductorReuseCandidate:
+    """31. One buffer reuse Inductor considers: a buffer dead after one node handed to a new one of its size."""
+
+    #: Scheduler node after which the dead buffer is freed (its last reader).
+    freed_after: int
+    #: Scheduler node whose output would take the dead buffer.
+    allocated_at: int
+    #: Bytes the reuse holds from the one to the other.
+    size: int
+    #: Inductor's estimated peak level over scheduler nodes first..last; an input counts up to its last reader.
+    estimated_level: Callable[[int, int], int]
+    #: Bytes of the graph's inputs whose last reader is at or before a scheduler node (0 before the first).
+    input_bytes_freed_by: Callable[[int], int]
+
+
+#: The rule deciding reuses in our graphs and whether it applies now (none or one); see install_inductor_reuse_rule.
+_reuse_rule: list[tuple[Callable[[InductorReuseCandidate], bool], Callable[[], bool]]] = []
+#: Per peak estimate (one per graph's code generation): sorted last-reader indices of its inputs, cumulative bytes.
+_input_last_readers: weakref.WeakKeyDictionary[Any, tuple[list[int], list[int]]] = weakref.WeakKeyDictionary()
+
+
+def _inputs_freed_by(estimate: Any) -> tuple[list[int], list[int]] | None:
+    """Sorted last-reader indices of the graph's freeable inputs with their cumulative bytes, or None if not ours to read."""
+    from torch._inductor.memory import get_freeable_input_buf
+    from torch._inductor.virtualized import V
+    from torch.utils._ordered_set import OrderedSet
+
+    table = _input_last_readers.get(estimate)
+    if table is None:
+        nodes = V.graph.scheduler.nodes
+        if estimate.segmented_tree.n != len(nodes) + 1:  # a level per node and one after the last
+            return None  # a subgraph's lines, planned while V.graph is the outer graph
+        index = {node: i for i, node in enumerate(nodes)}
+        freeable = get_freeable_input_buf(nodes, OrderedSet(V.graph.graph_inputs.keys()))
+        last = sorted(
+            (max(index[n] for n in buf.mpi_buffer.succ_nodes), buf.mpi_buffer.size_free)
+            for buf in freeable.values()
+            if buf.mpi_buffer.succ_nodes
+        )
+        cumulative = [0]
+        for _, nbytes in last:
+            cumulative.append(cumulative[-1] + nbytes)
+        table = ([i for i, _ in last], cumulative)
+        _input_last_readers[estimate] = table
+    return table
+
+
+def install_inductor_reuse_rule(
+    rule: Callable[[InductorReuseCandidate], bool], applies: Callable[[], bool]
+) -> None:
+    """31. From now on, Inductor asks ``rule`` whether to reuse a buffer wherever ``applies()``; elsewhere its own check.
+
+    Idempotent: the method is wrapped once per process, and a later call
+    replaces the rule. A graph whose levels cannot be read (a subgraph's)
+    reuses only a buffer freed right before the allocation, as Inductor
+    always does.
+    """
+    from torch._inductor.codegen.wrapper import AllocateLine
+
+    _reuse_rule[:] = [(rule, applies)]
+    if getattr(AllocateLine.should_reuse_buffer, "_ca_rule", False):
+        return
+    inductors_check = AllocateLine.should_reuse_buffer
+
+    def should_reuse_buffer(self: Any, free_line: Any, size: int) -> bool:
+        if not _reuse_rule or not _reuse_rule[0][1]():
+            return inductors_check(self, free_line, size)
+        rule = _reuse_rule[0][0]
+        freed_after, allocated_at = free_line.scheduler_node_index, self.scheduler_node_index
+        if allocated_at <= freed_after + 1:
+            return True  # no node in between: as Inductor's own check
+        estimate = self.wrapper.estimate_peak
+        table = _inputs_freed_by(estimate)
+        if table is None:
+            return False
+        positions, cumulative = table
+        return rule(
+            InductorReuseCandidate(
+                freed_after=freed_after,
+                allocated_at=allocated_at,
+                size=size,
+                estimated_level=estimate.segmented_tree.summarize_range,
+                input_bytes_freed_by=lambda node: cumulative[bisect.bisect_right(positions, node)],
+            )
+        )
+
+    should_reuse_buffer._ca_rule = True  # type: ignore[attr-defined]
+    should_reuse_buffer.__wrapped__ = inductors_check  # type: ignore[attr-defined]
+    AllocateLine.should_reuse_buffer = should_reuse_buffer  # type: ignore[method-assign]

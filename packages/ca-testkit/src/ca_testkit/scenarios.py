@@ -5,11 +5,11 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 
-__all__ = ["Cube", "batch", "make_mlp", "mlp_step", "slowed_compiler"]
+__all__ = ["Cube", "Decoder", "batch", "make_mlp", "mlp_step", "slowed_compiler"]
 
 
 def make_mlp(seed: int = 0, sizes: tuple[int, ...] = (8, 16, 4)) -> torch.nn.Sequential:
@@ -77,3 +77,44 @@ def slowed_compiler(backend: str, seconds: float) -> Callable[[torch.fx.GraphMod
         return run
 
     return compiler_fn
+
+
+class Decoder(torch.nn.Module):
+    """A GPT-style decoder: token + position embeddings, pre-norm causal blocks, tied head."""
+
+    def __init__(
+        self, vocab: int = 512, d: int = 256, heads: int = 4, layers: int = 4, seq: int = 64
+    ) -> None:
+        super().__init__()
+        self.heads = heads
+        self.embed = torch.nn.Embedding(vocab, d)
+        torch.nn.init.normal_(self.embed.weight, std=0.02)
+        self.pos = torch.nn.Parameter(torch.randn(seq, d) * 0.02)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.ModuleDict(
+                {
+                    "ln1": torch.nn.LayerNorm(d),
+                    "qkv": torch.nn.Linear(d, 3 * d),
+                    "proj": torch.nn.Linear(d, d),
+                    "ln2": torch.nn.LayerNorm(d),
+                    "up": torch.nn.Linear(d, 4 * d),
+                    "down": torch.nn.Linear(4 * d, d),
+                }
+            )
+            for _ in range(layers)
+        )
+        self.ln = torch.nn.LayerNorm(d)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        b, s = tokens.shape
+        h = self.embed(tokens) + self.pos[:s]
+        for block in self.blocks:
+            blk = cast(torch.nn.ModuleDict, block)
+            q, k, v = blk["qkv"](blk["ln1"](h)).view(b, s, 3, self.heads, -1).unbind(2)
+            att = torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+            )
+            h = h + blk["proj"](att.transpose(1, 2).reshape(b, s, -1))
+            h = h + blk["down"](torch.nn.functional.gelu(blk["up"](blk["ln2"](h))))
+        logits = self.ln(h) @ self.embed.weight.t()
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.roll(-1, 1).flatten())
