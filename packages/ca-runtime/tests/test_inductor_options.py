@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Any
 
 import ca_runtime
@@ -236,8 +237,17 @@ def test_a_hit_runs_no_size_asserts_of_its_inputs(
     assert hits == [0, 0] if user_set is None else all(n >= inputs for n in hits), per_backward
 
 
+class _Plan:
+    """Stands for one graph's memory plan (keeps_peak caches per plan)."""
+
+
 def _reuse(
-    levels: list[int], inputs: list[tuple[int, int]], freed_after: int, allocated_at: int, size: int
+    levels: list[int],
+    inputs: list[tuple[int, int]],
+    freed_after: int,
+    allocated_at: int,
+    size: int,
+    plan: _Plan | None = None,
 ) -> InductorReuseCandidate:
     """A reuse over Inductor's estimated ``levels`` per node, with ``inputs`` as (last reader, bytes)."""
     return InductorReuseCandidate(
@@ -246,6 +256,7 @@ def _reuse(
         size=size,
         estimated_level=lambda first, last: max(levels[first : last + 1]),
         input_bytes_freed_by=lambda node: sum(nbytes for reader, nbytes in inputs if reader <= node),
+        plan=plan if plan is not None else _Plan(),  # a plan of its own: nothing cached between them
     )
 
 
@@ -321,6 +332,26 @@ def _allocations_per_hit(monkeypatch: pytest.MonkeyPatch, **options: Any) -> int
     hits = per_backward[4:]  # eager's three backwards, the capture, then the two hits
     assert len(hits) == 2 and hits[0] == hits[1] > 0, per_backward
     return hits[0]
+
+
+def test_keeps_peak_reads_each_nodes_level_once_per_plan() -> None:
+    """The running maximum up to the free is kept per plan: a graph of n nodes costs n reads, not n per reuse."""
+    levels = [12, 6, 5, 7, 3, 4, 2, 9]
+    read: list[int] = []
+    plan = _Plan()
+
+    def candidate(freed_after: int, allocated_at: int) -> InductorReuseCandidate:
+        base = _reuse(levels, [], freed_after, allocated_at, size=1, plan=plan)
+
+        def level(first: int, last: int) -> int:
+            if first == last:
+                read.append(first)
+            return base.estimated_level(first, last)
+
+        return dataclasses.replace(base, estimated_level=level)
+
+    assert keeps_peak(candidate(1, 4)) and keeps_peak(candidate(3, 6)) and keeps_peak(candidate(2, 7))
+    assert sorted(read) == [0, 1, 2, 3] and len(read) == 4
 
 
 @pytest.mark.inductor

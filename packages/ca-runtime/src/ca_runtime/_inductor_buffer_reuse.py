@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import weakref
 from collections.abc import Iterator
 
 from ca_runtime._torch_interop import InductorReuseCandidate, install_inductor_reuse_rule
@@ -53,6 +54,10 @@ from ca_runtime._torch_interop import InductorReuseCandidate, install_inductor_r
 _KEEP_PEAK: contextvars.ContextVar[bool] = contextvars.ContextVar("ca_keep_peak_buffer_reuse", default=False)
 
 
+#: Per memory plan: the largest V(k) over nodes 0..n for the n + 1 nodes read so far; see keeps_peak.
+_reached: weakref.WeakKeyDictionary[object, list[int]] = weakref.WeakKeyDictionary()
+
+
 def keeps_peak(candidate: InductorReuseCandidate) -> bool:
     """See [Note: Buffer reuse that keeps the peak]."""
     i, j = candidate.freed_after, candidate.allocated_at
@@ -63,8 +68,14 @@ def keeps_peak(candidate: InductorReuseCandidate) -> bool:
     # freed_by never decreases: V over the range is at most its peak level plus freed_by(j - 2),
     # bounded here by freed_by(j - 1).
     in_range = level(i + 1, j - 1) + freed_by(j - 1)
-    reached = max(level(k, k) + freed_by(k - 1) for k in range(i + 1))
-    return candidate.size + in_range <= reached
+    # The running maximum of V, read once per node. Levels only grow as
+    # reuses are taken, and every one kept the real peak, so a maximum read
+    # before a later reuse is still one the backward reaches.
+    reached = _reached.setdefault(candidate.plan, [])
+    while len(reached) <= i:
+        k = len(reached)
+        reached.append(max(level(k, k) + freed_by(k - 1), reached[-1] if reached else 0))
+    return candidate.size + in_range <= reached[i]
 
 
 @contextlib.contextmanager

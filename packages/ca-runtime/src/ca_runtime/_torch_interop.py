@@ -1222,6 +1222,8 @@ class InductorReuseCandidate:
     estimated_level: Callable[[int, int], int]
     #: Bytes of the graph's inputs whose last reader is at or before a scheduler node (0 before the first).
     input_bytes_freed_by: Callable[[int], int]
+    #: The graph's memory plan the reuse is part of (one per generated code): a key for what a rule caches of it.
+    plan: object
 
 
 #: The rule deciding reuses in our graphs and whether it applies now (none or one); see install_inductor_reuse_rule.
@@ -1292,6 +1294,7 @@ def install_inductor_reuse_rule(
                 size=size,
                 estimated_level=estimate.segmented_tree.summarize_range,
                 input_bytes_freed_by=lambda node: cumulative[bisect.bisect_right(positions, node)],
+                plan=estimate,
             )
         )
 
