@@ -181,6 +181,14 @@ def test_a_tied_heads_backward_with_inductor_frees_the_logits_grad_early(
     )
 
 
+def _counts_on_hits(result: Any, per_backward: list[int]) -> list[int]:
+    """The counts of a 3-step compare's two hits, after checking it was one capture and two hits, eager's grads."""
+    result.assert_ok()
+    assert result.stats["captures"] == 1 and result.stats["cache_hits"] == 2
+    assert result.stats["eager_fallbacks"] == 0 and result.stats["graph_breaks"] == 0
+    return per_backward[4:]  # eager's three backwards, the capture, then the two hits
+
+
 def _counted_calls(monkeypatch: pytest.MonkeyPatch, name: str) -> list[int]:
     """A list that gets an item per call of ``torch._C._dynamo.guards.<name>``, which Inductor's code calls.
 
@@ -229,10 +237,7 @@ def test_a_hit_runs_no_size_asserts_of_its_inputs(
         result = compare(step, "inductor", tensors=cell, steps=3)
     finally:
         revert()
-    result.assert_ok()
-    assert result.stats["captures"] == 1 and result.stats["cache_hits"] == 2
-    assert result.stats["eager_fallbacks"] == 0 and result.stats["graph_breaks"] == 0
-    hits = per_backward[4:]  # eager's three backwards, the capture, then the two hits
+    hits = _counts_on_hits(result, per_backward)
     inputs = 2 + 3 * 2  # at least: the two weights and two saved tensors per step
     assert hits == [0, 0] if user_set is None else all(n >= inputs for n in hits), per_backward
 
@@ -326,10 +331,7 @@ def _allocations_per_hit(monkeypatch: pytest.MonkeyPatch, **options: Any) -> int
             result = compare(step, "inductor", tensors=cell, steps=3, rtol=1e-5, atol=1e-6)
     finally:
         revert()
-    result.assert_ok()
-    assert result.stats["captures"] == 1 and result.stats["cache_hits"] == 2
-    assert result.stats["eager_fallbacks"] == 0 and result.stats["graph_breaks"] == 0
-    hits = per_backward[4:]  # eager's three backwards, the capture, then the two hits
+    hits = _counts_on_hits(result, per_backward)
     assert len(hits) == 2 and hits[0] == hits[1] > 0, per_backward
     return hits[0]
 
