@@ -661,7 +661,8 @@ def _changing_hooks_step(
 
     ``route`` is where the change is made: in the hook's own code (on the
     steps ``change_on`` picks), or, on every step, in a module function, a
-    function in the hook's closure or a method of the hook's own object.
+    function in the hook's closure, a method of the hook's own object or
+    one of another object the hook's closure holds.
     """
 
     def step(i: int) -> tuple[list[str], torch.Tensor]:
@@ -679,11 +680,13 @@ def _changing_hooks_step(
             return g
 
         swapper = _swap_hooks  # reached by the hook through its closure
+        swapping_object = _HookSwapper(old, a, calls)  # its method, reached through the closure too
         hooks: dict[str, Callable[[torch.Tensor], Any]] = {
             "in-the-hook": on_b,
             "module-function": lambda g: calls.append("b") or _swap_hooks(old, a, calls),
             "closure-function": lambda g: calls.append("b") or swapper(old, a, calls),
             "own-method": _HookSwapper(old, a, calls).on_b,
+            "another-objects-method": lambda g: swapping_object.on_b(g) or g,
         }
         b.register_hook(hooks[route])
         b.sum().backward()
@@ -724,7 +727,9 @@ def test_a_hook_that_changes_later_hooks_only_on_a_later_backward_is_found_after
     assert result.stats["eager_fallbacks"] == 2
 
 
-@pytest.mark.parametrize("route", ["module-function", "closure-function", "own-method"])
+@pytest.mark.parametrize(
+    "route", ["module-function", "closure-function", "own-method", "another-objects-method"]
+)
 def test_a_hook_change_made_by_a_function_the_hook_calls_is_found_at_the_first_backward(
     backend: str, route: str
 ) -> None:
@@ -760,10 +765,30 @@ def test_the_look_at_hook_code_follows_calls_by_name_only_and_at_most_64() -> No
         def change(self) -> None:
             _swap_hooks(None, None, [])  # type: ignore[arg-type]
 
-    other = Other()
-    # A method of another object is reached only through the hook's own class.
-    assert not _names_a_hook_change([lambda g: other.change()])
+    class Quiet:
+        def change(self) -> None:
+            print("nothing registered")
+
+    other, quiet = Other(), Quiet()
+    # A method of an object the hook's closure holds, looked up on its class.
+    assert _names_a_hook_change([lambda g: other.change()])
     assert _names_a_hook_change([other.change])
+    assert not _names_a_hook_change([lambda g: quiet.change()])
+    # The same attribute name on an object whose class has no such method, or a builtin one.
+    assert not _names_a_hook_change([lambda g: (quiet.change(), [].append(g))])
+    # An attribute set on the instance is not read: the look never runs code, and
+    # a lambda stored there is data until called.
+    quiet.__dict__["change"] = lambda: _swap_hooks(None, None, [])  # type: ignore[arg-type]
+    assert not _names_a_hook_change([lambda g: quiet.change()])
+    # A function of a module the closure holds.
+    module = ModuleType("helpers")
+    exec("def change():\n    handle.remove()\n", vars(module))
+    assert _names_a_hook_change([lambda g: module.change()])
+    # torch's own methods are not followed that way: SGD.step's code calls a
+    # list's remove, and stepping an optimizer in a post-accumulate-grad hook
+    # (torch's optimizer-in-backward) changes no hooks.
+    optimizer = torch.optim.SGD([torch.ones(1, requires_grad=True)], lr=0.1)
+    assert not _names_a_hook_change([lambda p: optimizer.step()])
 
 
 def test_a_hook_that_registers_hooks_outside_its_graph_changes_nothing(backend: str) -> None:

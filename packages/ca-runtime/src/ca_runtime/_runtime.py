@@ -323,9 +323,12 @@ class _HookCodeScan:
 
     A called function is followed when the name resolves, without running
     anything, to a Python function: a global of the calling function's
-    module, a function in its closure, or (for a bound method's code) a
-    method of its object's class. At most ``_MAX_FUNCTIONS_FOLLOWED``
-    functions, each once.
+    module, a function or bound method in its closure, a method of an
+    object such a name holds (``helper.swap()``, looked up on the object's
+    class, never on the instance), a function of a module such a name holds
+    (``mod.swap()``), or (for a bound method's code) a method of its
+    object's class. At most ``_MAX_FUNCTIONS_FOLLOWED`` functions, each
+    once.
     """
 
     def __init__(self) -> None:
@@ -353,19 +356,57 @@ class _HookCodeScan:
             ):
                 return True
         global_names, attribute_names = _names_loaded(code)
-        called = [globals_.get(name) for name in global_names]
-        called += closure
+        named = [globals_.get(name) for name in global_names]
+        named += closure
+        called: list[tuple[object, type | None]] = [(value, owner) for value in named]
         if owner is not None:
-            called += [inspect.getattr_static(owner, name, None) for name in attribute_names]
-        for target in called:
-            function = target.__func__ if isinstance(target, (staticmethod, classmethod)) else target
+            called += [(inspect.getattr_static(owner, name, None), owner) for name in attribute_names]
+        for value in named:
+            called += _attributes_named(value, attribute_names)
+        for target, target_owner in called:
+            function: object
+            function_owner: type | None
+            if isinstance(target, types.MethodType):
+                function, function_owner = target.__func__, type(target.__self__)
+            elif isinstance(target, (staticmethod, classmethod)):
+                function, function_owner = target.__func__, target_owner
+            else:
+                function, function_owner = target, target_owner
             if not isinstance(function, types.FunctionType) or function.__code__ in self.seen:
                 continue
             if len(self.seen) >= _MAX_FUNCTIONS_FOLLOWED:
                 return False
-            if self.function_names_a_hook_change(function, owner):
+            if self.function_names_a_hook_change(function, function_owner):
                 return True
         return False
+
+
+def _attributes_named(value: object, names: list[str]) -> list[tuple[object, type | None]]:
+    """What ``value.name`` is, for each of ``names``, where that reads no code: a module's
+    own attribute, or a method of an object's class (with that class, as its owner).
+
+    Objects of builtin classes (lists, dicts, numbers) have no Python methods
+    to follow, and torch's own functions reached this way are not followed:
+    an optimizer's ``step`` or a scheduler called from a post-accumulate-grad
+    hook (torch's documented optimizer-in-backward) changes no hooks, and
+    their code calls ``list.remove``/``set.remove``, which a look at names
+    alone cannot tell from a handle's ``remove``: following them would run
+    the first backward of every such training loop eagerly.
+    """
+    if isinstance(value, types.ModuleType):
+        attributes = vars(value)
+        found: list[tuple[object, type | None]] = [(attributes.get(name), None) for name in names]
+    else:
+        cls = type(value)
+        if cls.__module__ == "builtins" or isinstance(value, (type, types.FunctionType, types.MethodType)):
+            return []
+        found = [(inspect.getattr_static(cls, name, None), cls) for name in names]
+    return [(target, owner) for target, owner in found if not _torchs_own(target)]
+
+
+def _torchs_own(target: object) -> bool:
+    module = getattr(target, "__module__", None) or ""
+    return module == "torch" or module.startswith("torch.")
 
 
 def _names_loaded(code: types.CodeType) -> tuple[list[str], list[str]]:
@@ -479,7 +520,8 @@ class Runtime:
           reads the hooks' code, code defined in it, and the Python
           functions that code calls by a name that resolves without running
           anything (``_HookCodeScan``: a global of its module, a function in
-          its closure, a method of a bound method's class), theirs in turn,
+          its closure, a method of a bound method's class or of an object or
+          module its globals or closure hold), theirs in turn,
           up to 64 functions: a hook that swaps hooks through a helper is
           found as one that does it itself.
         """
