@@ -1037,8 +1037,9 @@ handle's removal (ca_runtime's [Note: Which captures wait]). Such a change is
 usually made on every backward (the hook is registered with the forward), so
 that first backward shows it and every backward is eager's. What is left: a
 change made only on a later backward, or by code the runtime's look at the
-hooks' code does not reach (a method of another object, a function past
-the 64 it follows), is found after that backward's graph ran. A graph without Python objects
+hooks' code does not reach (a method found through an attribute chain such
+as self.helper.swap() or getattr, a function past the 64 it follows), is
+found after that backward's graph ran. A graph without Python objects
 runs no code that could register a hook: the walk computes no signature for
 it and nothing is compared, so a hook-free cache hit pays nothing for this.
 */

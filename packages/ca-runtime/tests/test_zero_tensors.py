@@ -70,6 +70,32 @@ def double_backward_through_abs_with_save_on_cpu(i: int) -> Any:
     return a.grad, w.grad
 
 
+def _sign_of(x: torch.Tensor) -> torch.Tensor:
+    """d|x|/dx as a differentiable tensor: its own derivative is eager's efficient ZeroTensor."""
+    (sign,) = torch.autograd.grad(x.abs().sum(), x, create_graph=True)
+    return sign
+
+
+def leaf_accumulates_a_zero_tensor(i: int) -> Any:
+    """The only grad a leaf gets is a ZeroTensor, on a first backward and added to an existing .grad."""
+    x, y = _leaves((3,), (3,))
+    _sign_of(x).sum().backward()
+    first = x.grad.clone()
+    ((y * y).sum() + _sign_of(y).sum()).backward()
+    return first, y.grad
+
+
+def hook_on_a_leaf_that_gets_a_zero_tensor(i: int) -> Any:
+    """Tensor and post-accumulate-grad hooks of a leaf whose grad is a ZeroTensor (they return a new grad, read it)."""
+    x, w = _leaves((3,), (3,))
+    seen: list[torch.Tensor] = []
+    x.register_hook(lambda g: g + w.detach())
+    w.register_hook(lambda g: seen.append(g.clone()))
+    w.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.clone()))
+    (_sign_of(x).sum() + _sign_of(w).sum()).backward()
+    return x.grad, w.grad, seen
+
+
 @dataclasses.dataclass(frozen=True)
 class Program:
     step: Callable[[int], Any]
@@ -82,6 +108,8 @@ PROGRAMS: dict[str, Program] = {
     for p in (
         Program(saved_zero_tensor),
         Program(saved_zero_tensor_under_create_graph),
+        Program(leaf_accumulates_a_zero_tensor),
+        Program(hook_on_a_leaf_that_gets_a_zero_tensor),
         # save_on_cpu's unpack hooks run with their nodes, behind breaks.
         Program(double_backward_through_abs_with_save_on_cpu, graph_breaks=11),
     )
@@ -123,3 +151,23 @@ def test_zero_tensors_under_inductor(name: str) -> None:
     result.assert_ok()
     assert result.stats["eager_fallbacks"] == 0, result.stats
     assert result.stats["cache_hits"] > 0, result.stats
+
+
+def test_a_leaf_gets_real_zeros_where_eager_gives_a_zero_tensor() -> None:
+    """README's Known differences: the values are eager's, the ZeroTensor flag is not (by design)."""
+
+    def step() -> tuple[torch.Tensor, bool]:
+        (x,) = _leaves((3,))
+        _sign_of(x).sum().backward()
+        return x.grad, x.grad._is_zerotensor()
+
+    eager_grad, eager_is_zero = step()
+    with ca_runtime.enable("eager"):
+        step()
+        before = ca_runtime.stats()
+        ca_grad, ca_is_zero = step()
+        after = ca_runtime.stats()
+    # A cache hit each for the create_graph backward and the one through it.
+    assert after["captures"] == before["captures"] and after["cache_hits"] == before["cache_hits"] + 2
+    assert torch.equal(ca_grad, eager_grad)
+    assert eager_is_zero and not ca_is_zero
