@@ -4,6 +4,8 @@
 #include "ca_core.h"
 #include "torch_private.h"
 
+#include <ATen/LegacyVmapMode.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
 
 #include <nanobind/stl/string.h>
@@ -476,17 +478,17 @@ class GraphWalk {
     return mark.id;
   }
 
-  /// [Note: Prefetching the next nodes]
-  /// On a cache hit the walk's cost is where torch's nodes are in memory, not
-  /// what it computes: a graph whose forward ran long before (or whose nodes
-  /// another backward evicted) walks at twice the time per node of one just
-  /// built. Each node's children are read soon (their input metadata by this
-  /// node's collection, their own fields when visited), so their first cache
-  /// lines are asked for before this node's work starts. Eight 64-byte lines
-  /// cover a node's Node fields, its inline input metadata and the first
-  /// saved variables; on bench/run.py's LSTM this took the walk from 1,068
-  /// to 973 µs a backward (fresh) and 1,424 to 1,281 (held), medians of six
-  /// alternated runs on a slow, noisy day (bench/LOG.md, stop 53).
+  // [Note: Prefetching the next nodes]
+  // On a cache hit the walk's cost is where torch's nodes are in memory, not
+  // what it computes: a graph whose forward ran long before (or whose nodes
+  // another backward evicted) walks at twice the time per node of one just
+  // built. Each node's children are read soon (their input metadata by this
+  // node's collection, their own fields when visited), so their first cache
+  // lines are asked for before this node's work starts. Eight 64-byte lines
+  // cover a node's Node fields, its inline input metadata and the first
+  // saved variables; on bench/run.py's LSTM this took the walk from 1,068
+  // to 973 µs a backward (fresh) and 1,424 to 1,281 (held), medians of six
+  // alternated runs on a slow, noisy day (bench/LOG.md, stop 53).
   static void prefetch_next_nodes(const Node& fn) {
     constexpr int kLines = 8;
     for (const auto& edge : fn.next_edges()) {
@@ -571,6 +573,26 @@ class GraphWalk {
     return ns;
   }
 
+  // [Note: Backwards inside a vmap]
+  // A backward run inside a vmap (autograd.grad(is_grads_batched=True),
+  // torch's legacy vmap over the engine; or autograd.grad inside
+  // torch.func.vmap or another functorch transform) walks the same nodes
+  // with the same metadata as one outside: the batch dim lives in the
+  // tensors' BatchedTensorImpl, not in any size the key collects. Its graph
+  // takes batched tensors, which Dynamo cannot make fake ones of, so the
+  // runtime runs such a graph as the GraphModule it captured (ca_runtime's
+  // [Note: Graphs of a backward inside a vmap]); a graph compiled outside a
+  // vmap would be handed batched tensors on a hit and make Dynamo try (and
+  // fail) to compile again. So whether the backward runs inside a vmap is
+  // part of the root's key: the two are separate entries. Two thread-local
+  // reads per backward: the legacy vmap's nesting level, and the dispatch
+  // key functorch includes in this thread's key set while its transform
+  // stack is not empty (setDynamicLayerFrontBackKeysIncluded).
+  static bool inside_a_vmap() {
+    return at::impl::VmapMode::current_vmap_level() > 0 ||
+        c10::impl::tls_is_dispatch_key_included(c10::DispatchKey::FuncTorchDynamicLayerFrontMode);
+  }
+
   /// Step 2.
   void collect(CompiledNodeArgs& args, NodeState& ns, Node* fn) {
     NodeCall& call = ns.call;
@@ -582,6 +604,7 @@ class GraphWalk {
     // their number is part of the root's key.
     if (fn == root_.get()) {
       args.collect_size(state_->num_outputs);
+      args.collect_size(static_cast<size_t>(inside_a_vmap()));
     }
     collect_node_call(args, ns, fn);
     if (!args.cond(call.needed)) {

@@ -34,7 +34,10 @@ visitor writes for it:
   - what its compiled_args specialises on (scalars, dtypes, flags, and the
     id/device/dtype/requires_grad of each tensor it lifts);
   - for each next edge: validity, the graph-wide id of the node it leads to,
-    the input number and the input metadata validate_outputs checks against.
+    the input number and the input metadata validate_outputs checks against;
+  - for the root alone: the number of outputs (see [Note: Outputs no node
+    reaches]) and whether the backward runs inside a vmap (see [Note:
+    Backwards inside a vmap]), both in graph_walk.cpp.
 The graph-wide ids are ours (discovery order of the walk) because each node
 collects into its own AutogradCompilerCall; see [Note: Per-node collection].
 Because the walk order is eager's order and ids follow discovery, two

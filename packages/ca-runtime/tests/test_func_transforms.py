@@ -2,7 +2,9 @@
 
 ``autograd.grad(..., is_grads_batched=True)`` runs the engine under vmap:
 the walk sees batched grads, and the graph is captured and served from the
-cache like any other, checkpointed regions included (their recompute under
+cache like any other (keyed apart from the same backward outside a vmap,
+and run as the captured GraphModule where the compiler is torch.compile:
+see [Note: Graphs of a backward inside a vmap]), checkpointed regions included (their recompute under
 vmap: see [Note: The recompute under vmap over the engine]). ``torch.func.grad`` (alone or under ``vmap``) computes
 its grads through functorch's transforms; no backward reaches ca's engine
 hook, and the values are eager's.
@@ -55,6 +57,60 @@ def test_a_batched_grad_is_captured_and_hit(backend: str, case: str) -> None:
     result.assert_ok()
     assert result.stats["captures"] == 1 and result.stats["cache_hits"] == 2, result.stats
     assert result.stats["eager_fallbacks"] == 0 and result.stats["graph_breaks"] == 0, result.stats
+
+
+def _counting_compiler(backend: str, graphs: list[int]) -> Callable[[torch.fx.GraphModule], object]:
+    """torch.compile with ``backend``, appending each graph Dynamo hands the backend (its node count) to ``graphs``."""
+
+    def counted(gm: torch.fx.GraphModule, example_inputs: list[object]) -> object:
+        graphs.append(len(gm.graph.nodes))
+        return torch._dynamo.lookup_backend(backend)(gm, example_inputs)
+
+    return lambda gm: torch.compile(gm, backend=counted)
+
+
+@pytest.mark.parametrize("vmap", ["is_grads_batched", "func_vmap"])
+def test_a_batched_backward_runs_its_graph_without_dynamo_and_apart_from_the_unbatched_one(
+    backend: str, vmap: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """See [Note: Graphs of a backward inside a vmap] and [Note: Backwards inside a vmap] in ca_core.
+
+    The same graph alternately inside and outside a vmap: two entries, each
+    hit, Dynamo compiling only the unbatched one, nothing logged about fake
+    tensors (Dynamo's "meta converter nyi" warnings when it was handed the
+    batched one).
+    """
+
+    def step(i: int) -> torch.Tensor:
+        x = torch.linspace(0.1, 1.0, 4, requires_grad=True)
+        y = (x.sin() * x).cumsum(0)
+        if i % 2 == 0:
+            return torch.autograd.grad(y, x, torch.linspace(1.0, 2.0, 4))[0]
+        if vmap == "is_grads_batched":
+            return torch.autograd.grad(y, x, torch.eye(4), is_grads_batched=True)[0]
+        return torch.func.vmap(lambda v: torch.autograd.grad(y, x, v, retain_graph=True)[0])(torch.eye(4))
+
+    graphs: list[int] = []
+    with caplog.at_level("WARNING", logger="torch._dynamo"):
+        result = compare(step, _counting_compiler(backend, graphs), steps=4)
+    result.assert_ok()
+    assert result.stats["captures"] == 2 and result.stats["cache_hits"] == 2, result.stats
+    assert result.stats["eager_fallbacks"] == 0 and result.stats["graph_breaks"] == 0, result.stats
+    assert len(graphs) == 1, graphs  # the unbatched graph's; the batched one never reached Dynamo
+    assert not [r for r in caplog.records if "fake tensor" in r.getMessage()]
+
+
+def test_a_batched_backward_still_calls_a_compiler_fn_that_is_not_torch_compile() -> None:
+    """Only ``torch.compile(gm)`` is replaced by the GraphModule: another compiler_fn's result is used as always."""
+    seen: list[torch.fx.GraphModule] = []
+
+    def mine(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+        seen.append(gm)
+        return gm
+
+    result = compare(_batched_jacobian, mine, steps=2)
+    result.assert_ok()
+    assert len(seen) == 1 and result.stats["cache_hits"] == 1, result.stats
 
 
 @pytest.mark.parametrize("transform", ["grad", "vmap_grad"])

@@ -95,10 +95,12 @@ from ca_runtime._torch_interop import (
     forget_metric_stacks,
     forget_sources_with,
     inductor_config,
+    is_plain_torch_compile_of,
     maybe_mark_dynamic,
     release_dynamo_state_with,
     set_locals_to_steal,
     sources_made,
+    under_vmap,
     warnings_ignored_while_dynamo_compiles,
 )
 
@@ -178,6 +180,21 @@ def _compiled_form(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     except Exception:  # noqa: BLE001 - the captured graph is as correct, only slower as Python
         log.debug("runs of nodes left unfused", exc_info=True)
         return gm
+
+
+# [Note: Graphs of a backward inside a vmap]
+# A backward inside a vmap (``autograd.grad(is_grads_batched=True)``, which
+# runs the engine under torch's legacy vmap, or ``autograd.grad`` inside
+# ``torch.func.vmap``) hands its graph batched tensors. Dynamo cannot make
+# fake tensors of them ("meta converter nyi"): torch.compile's first call
+# logs a warning per frame it tries and runs the frame as plain Python. So
+# where the compiler_fn returns ``torch.compile(gm)`` (every backend name
+# does), such a graph is kept as the GraphModule and run as it is: the same
+# ops, with no Dynamo trace that cannot succeed and nothing logged. A
+# compiler_fn that returns anything else is called and used as always.
+# ca_core keys these backwards apart from the same graph outside a vmap
+# ([Note: Backwards inside a vmap] in graph_walk.cpp), so a graph compiled
+# outside one never sees batched tensors.
 
 
 # [Note: Dynamo's tracing cycles]
@@ -582,6 +599,12 @@ class Runtime:
             compiled = torch.compile(form, backend="eager", dynamic=None)
         # See [Note: Calling Dynamo's cached code directly] in _dynamo_direct.py.
         returned, compiled = compiled, wrap_if_dynamo_module(compiled, form)
+        if under_vmap() and is_plain_torch_compile_of(returned, form):
+            compiled = form  # see [Note: Graphs of a backward inside a vmap]
+            log.info(
+                "ca_runtime: a backward inside a vmap (is_grads_batched=True, torch.func.vmap) runs its "
+                "captured graph uncompiled: Dynamo cannot take batched tensors as graph inputs"
+            )
         # See [Note: What Dynamo keeps of a dropped graph] in _torch_interop.py.
         release_dynamo_state_with(compiled, type(form).forward.__code__, returned)
         records.capture_compiled(record, time.perf_counter() - start)

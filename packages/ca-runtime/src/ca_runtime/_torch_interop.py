@@ -157,7 +157,8 @@ Used through this module:
      (which ``autograd.grad(is_grads_batched=True)`` runs under): whether a
      backward runs inside a vmap or another functorch transform, where Dynamo
      cannot trace the graph's batched tensors and the graph runs as Python
-     (``under_vmap``; _node_rules.py's CopySlices row).
+     (``under_vmap``; _node_rules.py's CopySlices row, and _runtime.py's
+     [Note: Graphs of a backward inside a vmap]).
   31. Inductor's buffer reuse in the code it generates: the method that
      decides one (``torch._inductor.codegen.wrapper.AllocateLine.should_reuse_buffer``,
      wrapped once per process so that a rule of ours decides for our graphs),
