@@ -7,6 +7,7 @@ calls, their number and their order, along with the grads.
 from __future__ import annotations
 
 import functools
+import logging
 import warnings
 from collections.abc import Callable
 from types import ModuleType
@@ -789,6 +790,9 @@ def test_the_look_at_hook_code_follows_calls_by_name_only_and_at_most_64() -> No
     # (torch's optimizer-in-backward) changes no hooks.
     optimizer = torch.optim.SGD([torch.ones(1, requires_grad=True)], lr=0.1)
     assert not _names_a_hook_change([lambda p: optimizer.step()])
+    # Nor the standard library's: Logger.removeHandler's code calls list.remove.
+    logger = logging.getLogger("ca_runtime.tests.hook_look")
+    assert not _names_a_hook_change([lambda g: logger.removeHandler(logging.NullHandler())])
 
 
 def test_a_hook_that_registers_hooks_outside_its_graph_changes_nothing(backend: str) -> None:

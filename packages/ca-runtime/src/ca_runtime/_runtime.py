@@ -402,28 +402,41 @@ def _attributes_named(value: object, names: list[str]) -> list[tuple[object, typ
     """What ``value.name`` is, for each of ``names``, where that reads no code: a module's
     own attribute, or a method of an object's class (with that class, as its owner).
 
-    Objects of builtin classes (lists, dicts, numbers) have no Python methods
-    to follow, and torch's own functions reached this way are not followed:
-    an optimizer's ``step`` or a scheduler called from a post-accumulate-grad
-    hook (torch's documented optimizer-in-backward) changes no hooks, and
-    their code calls ``list.remove``/``set.remove``, which a look at names
-    alone cannot tell from a handle's ``remove``: following them would run
-    the first backward of every such training loop eagerly.
+    Objects, modules and functions of torch or the standard library
+    (builtins included) are not followed this way: an optimizer's ``step``
+    or a scheduler called from a post-accumulate-grad hook (torch's
+    documented optimizer-in-backward) changes no hooks, and its code calls
+    ``list.remove``/``set.remove``, which a look at names alone cannot tell
+    from a handle's ``remove`` (following it would run the first backward of
+    every such training loop eagerly); and a ``logger.debug`` in FSDP's
+    hooks would lead the look through ``logging`` and ``traceback`` (10 ms
+    a look, for code that registers no hooks).
     """
     if isinstance(value, types.ModuleType):
+        if _torch_or_stdlib(value.__name__):
+            return []
         attributes = vars(value)
         found: list[tuple[object, type | None]] = [(attributes.get(name), None) for name in names]
     else:
         cls = type(value)
-        if cls.__module__ == "builtins" or isinstance(value, (type, types.FunctionType, types.MethodType)):
+        if _torch_or_stdlib(cls.__module__) or isinstance(
+            value, (type, types.FunctionType, types.MethodType)
+        ):
             return []
         found = [(inspect.getattr_static(cls, name, None), cls) for name in names]
-    return [(target, owner) for target, owner in found if not _torchs_own(target)]
+    return [
+        (target, owner)
+        for target, owner in found
+        if not _torch_or_stdlib(getattr(target, "__module__", None))
+    ]
 
 
-def _torchs_own(target: object) -> bool:
-    module = getattr(target, "__module__", None) or ""
-    return module == "torch" or module.startswith("torch.")
+def _torch_or_stdlib(module: object) -> bool:
+    """Whether a module name is torch's or the standard library's (builtins included)."""
+    if not isinstance(module, str):
+        return False
+    top = module.partition(".")[0]
+    return top == "torch" or top in sys.stdlib_module_names
 
 
 def _names_loaded(code: types.CodeType) -> tuple[list[str], list[str]]:
