@@ -343,7 +343,8 @@ class _HookCodeScan:
     module, a function or bound method in its closure, a method of an
     object such a name holds (``helper.swap()``, looked up on the object's
     class, never on the instance), a function of a module such a name holds
-    (``mod.swap()``), or (for a bound method's code) a method of its
+    (``mod.swap()``; neither torch's nor the standard library's, see
+    ``_attributes_named``), or (for a bound method's code) a method of its
     object's class. At most ``_MAX_FUNCTIONS_FOLLOWED`` functions, each
     once.
     """
