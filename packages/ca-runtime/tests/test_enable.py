@@ -110,6 +110,28 @@ def test_unknown_backend_suggests_the_nearest_and_hides_testing_only() -> None:
     assert "TESTING_ONLY" not in str(info.value)
 
 
+def test_a_backend_name_is_checked_against_torchs_list_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """enable("aot_eager") around every backward reads torch's backend list on its first call only."""
+    from ca_runtime import _enable
+
+    reads: list[object] = []
+    real = torch.compiler.list_backends
+
+    def counted(*args: object, **kwargs: object) -> list[str]:
+        reads.append(args)
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(torch.compiler, "list_backends", counted)
+    monkeypatch.setattr(_enable, "_BACKENDS_FOUND_VALID", set())
+    for _ in range(3):
+        with ca_runtime.enable("aot_eager"):
+            pass
+    assert len(reads) == 1
+    with pytest.raises(ValueError, match="did you mean 'aot_eager'"):
+        ca_runtime.enable("aot_eagr")  # an unknown name reads the list again
+    assert len(reads) == 2
+
+
 def test_enable_never_entered_warns(recwarn: pytest.WarningsRecorder) -> None:
     ca_runtime.enable("eager")  # a plain call: nothing would be compiled
     assert [str(w.message) for w in recwarn if w.category is RuntimeWarning] == [
