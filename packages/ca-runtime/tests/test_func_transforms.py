@@ -113,6 +113,63 @@ def test_a_batched_backward_still_calls_a_compiler_fn_that_is_not_torch_compile(
     assert len(seen) == 1 and result.stats["cache_hits"] == 1, result.stats
 
 
+class _ScaledExp(torch.autograd.Function):
+    """exp(x) * 1.5 whose vmap rule functorch generates: torch.func.vmap makes a new class of it per call."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return x.exp() * 1.5
+
+    @staticmethod
+    def setup_context(ctx: object, inputs: tuple[object, ...], output: torch.Tensor) -> None:
+        ctx.save_for_backward(output)  # type: ignore[attr-defined]
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        (out,) = ctx.saved_tensors  # type: ignore[attr-defined]
+        return grad * out
+
+
+def _vmapped_function_step(layout: Callable[[int], str]) -> Callable[[int], tuple[torch.Tensor, ...]]:
+    """A training step whose forward vmaps _ScaledExp: over dim 0, dim 1 (in_dims=1), or twice (nested)."""
+
+    def step(i: int) -> tuple[torch.Tensor, ...]:
+        w = torch.linspace(-0.5, 0.5, 12).reshape(3, 4).requires_grad_()
+        x = torch.linspace(0.1, 1.2, 9).reshape(3, 3) @ w
+        kind = layout(i)
+        if kind == "dim0":
+            y = torch.func.vmap(_ScaledExp.apply)(x)
+        elif kind == "dim1":
+            y = torch.func.vmap(_ScaledExp.apply, in_dims=1, out_dims=1)(x)
+        else:  # the two levels are made from equal arguments (in_dims 0, batch 3)
+            y = torch.func.vmap(torch.func.vmap(_ScaledExp.apply))(x[:, :3])
+        (y.sin() * 2).sum().backward()
+        return (w.grad,)
+
+    return step
+
+
+@pytest.mark.parametrize(
+    ("name", "layout", "captures"),
+    [
+        ("every-step-the-same", lambda i: "dim0", 1),
+        ("two-in_dims-alternating", lambda i: ("dim0", "dim1")[i % 2], 2),
+        ("nested-equal-levels", lambda i: "nested", 1),
+    ],
+)
+def test_a_function_vmapped_by_its_generated_rule_is_captured_once(
+    backend: str, name: str, layout: Callable[[int], str], captures: int
+) -> None:
+    """See [Note: Generated vmap rules share a key]: the class vmap makes per call does not make a new key per step."""
+    result = compare(_vmapped_function_step(layout), backend, steps=4)
+    result.assert_ok()
+    assert result.stats["captures"] == captures, result.stats
+    assert result.stats["cache_hits"] == 4 - captures, result.stats
+    assert result.stats["eager_fallbacks"] == 0, result.stats
+
+
 @pytest.mark.parametrize("transform", ["grad", "vmap_grad"])
 def test_torch_func_grad_is_eagers_and_leaves_the_engine_hook_alone(backend: str, transform: str) -> None:
     def loss(w: torch.Tensor) -> torch.Tensor:

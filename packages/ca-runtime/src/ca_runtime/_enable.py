@@ -49,6 +49,7 @@ from ca_runtime._torch_interop import (
     keep_hook_across_torch_disable,
     rearm_torch_compiled_autograd,
     routed_torch_compiled_autograd,
+    stable_generated_vmap_rule_ids,
     torch_compiled_autograd_enabled,
 )
 
@@ -217,6 +218,7 @@ class _EnableContext(_HookContext):
     def _install(self) -> Runtime:
         self._entered = True
         keep_hook_across_torch_disable()
+        stable_generated_vmap_rule_ids()  # see [Note: Generated vmap rules share a key]
         runtime = Runtime(self._compiler, shown_as=self._compiler_fn)
         runtime.compiler_key = compiler_key(self._compiler_fn, self._compile_in_background)
         runtime.eager_if_faster = self._eager_if_faster and not _deterministic_refuses_timing()

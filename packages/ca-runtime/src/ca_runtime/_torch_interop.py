@@ -169,6 +169,13 @@ Used through this module:
      ``torch._inductor.memory.get_freeable_input_buf`` (each input's readers
      and bytes); see [Note: Buffer reuse that keeps the peak] in
      _inductor_buffer_reuse.py.
+  32. ``torch._functorch.autograd_function.vmapify_autograd_function`` (the
+     Function class ``torch.func.vmap`` generates for a Function with
+     ``generate_vmap_rule=True``, one per call) and the backward class's
+     ``_autograd_function_id`` that ``Function._compiled_autograd_key``
+     returns: wrapped once per process so that generated classes of the same
+     Function, in_dims, batch size and randomness share one id; see [Note:
+     Generated vmap rules share a key] (``stable_generated_vmap_rule_ids``).
 Used in place, because they are what the module is about:
   6. AOTAutograd's ``CompiledFunction`` internals in _aot.py (``_aot_id``,
      ``_bw_prologue_fn``, ``metadata``, ``maybe_subclass_metadata``,
@@ -1302,3 +1309,56 @@ def install_inductor_reuse_rule(
     should_reuse_buffer._ca_rule = True  # type: ignore[attr-defined]
     should_reuse_buffer.__wrapped__ = inductors_check  # type: ignore[attr-defined]
     AllocateLine.should_reuse_buffer = should_reuse_buffer  # type: ignore[method-assign]
+
+
+# [Note: Generated vmap rules share a key]
+# ``torch.func.vmap(F.apply)`` with ``generate_vmap_rule=True`` makes a new
+# Function class on every call (``vmapify_autograd_function``), and each new
+# class gets a new ``_autograd_function_id`` from torch's counter. A node's
+# compiled-autograd key is that id (``Function._compiled_autograd_key``), so a
+# training step that vmaps such a Function in its forward was a new key path
+# every step: a capture and a compile per step (about 0.2 s with aot_eager,
+# seconds with Inductor) and a cache that grew by one entry a step. What a
+# generated class does is fixed by the four arguments it is made from (the
+# Function, its in_dims, the batch size and the randomness mode; its methods
+# close over nothing else and keep their per-call state on the ctx, keyed by
+# the class's own ``id``), so classes made from equal arguments are given
+# the id of the first one made from them: the key path repeats and the graph
+# is hit. Only the id is shared; each call still gets its own class, so two
+# nested levels made from equal arguments keep apart what they store on a
+# shared ctx. The node runs behind a graph break in ca's graphs (see
+# _capture.py's ``_FUNCTIONS_RUN_EAGERLY``); torch's own compiled autograd,
+# which reads the same id, guards on the ctx's class in Dynamo and sees the
+# same computation. Arguments that cannot be hashed keep torch's fresh id.
+
+#: (the Function's backward id, in_dims, batch size, randomness) -> the id generated classes share.
+_generated_vmap_rule_ids: dict[tuple[object, ...], int] = {}
+
+
+def stable_generated_vmap_rule_ids() -> None:
+    """32. From now on, classes vmap generates from equal arguments share one compiled-autograd id; idempotent."""
+    from torch._functorch import autograd_function
+
+    if getattr(autograd_function.vmapify_autograd_function, "_ca_stable_ids", False):
+        return
+    vmapify = autograd_function.vmapify_autograd_function
+
+    @functools.wraps(vmapify)
+    def vmapify_with_a_stable_id(
+        function: type[torch.autograd.Function], in_dims: Any, batch_size: int, randomness: str
+    ) -> type[torch.autograd.Function]:
+        generated = vmapify(function, in_dims, batch_size, randomness)
+        backward_cls: Any = getattr(generated, "_backward_cls", None)
+        function_id = getattr(getattr(function, "_backward_cls", None), "_autograd_function_id", None)
+        if backward_cls is None or function_id is None:
+            return generated
+        key = (function_id, in_dims, batch_size, randomness)
+        try:
+            shared = _generated_vmap_rule_ids.setdefault(key, backward_cls._autograd_function_id)
+        except TypeError:  # in_dims that cannot be hashed: torch's own id
+            return generated
+        backward_cls._autograd_function_id = shared
+        return generated
+
+    vmapify_with_a_stable_id._ca_stable_ids = True  # type: ignore[attr-defined]
+    autograd_function.vmapify_autograd_function = vmapify_with_a_stable_id  # type: ignore[assignment]
