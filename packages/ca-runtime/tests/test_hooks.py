@@ -795,6 +795,75 @@ def test_the_look_at_hook_code_follows_calls_by_name_only_and_at_most_64() -> No
     assert not _names_a_hook_change([lambda g: logger.removeHandler(logging.NullHandler())])
 
 
+def test_the_look_at_hook_code_never_raises_and_reads_held_objects_statically() -> None:
+    """It runs inside a backward on whatever hooks hold: an object it cannot read counts as one that may change hooks."""
+    from ca_runtime._runtime import _names_a_hook_change
+
+    class Unreadable:
+        def __getattribute__(self, name: str) -> Any:
+            raise RuntimeError(f"read {name}")
+
+    class Lazy:
+        """A proxy whose attribute reads run code (a lazy module, a wrapt proxy)."""
+
+        reads = 0
+
+        def __getattr__(self, name: str) -> Any:
+            Lazy.reads += 1
+            return _swap_hooks
+
+    unreadable, lazy = Unreadable(), Lazy()
+    assert _names_a_hook_change([lambda g: unreadable.x(g) or g]) is True  # no RuntimeError
+    assert _names_a_hook_change([lambda g: lazy.change(g) or g]) is False  # __getattr__ is never run
+    assert Lazy.reads == 0
+    nameless = ModuleType("nameless")
+    del nameless.__name__
+    assert _names_a_hook_change([lambda g: nameless.f(g) or g]) is False
+
+
+def test_the_look_follows_names_the_hook_calls_before_a_library_an_object_leads_to() -> None:
+    """A library past the bound, reached through a held module, cannot hide a change made by a function called by name."""
+    from ca_runtime._runtime import _MAX_FUNCTIONS_FOLLOWED, _names_a_hook_change
+
+    library = ModuleType("a_library")
+    exec(
+        "def f0(g):\n    return g\n"
+        + "".join(f"def f{k}(g):\n    return f{k - 1}(g)\n" for k in range(1, _MAX_FUNCTIONS_FOLLOWED + 10)),
+        vars(library),
+    )
+    namespace: dict[str, Any] = {"library": library, "_swap_hooks": _swap_hooks}
+    exec(
+        f"def log_grad(g):\n    return library.f{_MAX_FUNCTIONS_FOLLOWED + 9}(g)\n"
+        "def swap():\n    _swap_hooks(None, None, [])\n"
+        "def hook(g):\n    log_grad(g)\n    swap()\n",
+        namespace,
+    )
+    assert _names_a_hook_change([namespace["hook"]])
+
+
+def test_the_look_reads_each_attribute_name_once_and_at_most_4096(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ca_runtime import _runtime
+
+    class Config:
+        pass
+
+    namespace: dict[str, Any] = {"cfg": Config(), "other": Config()}
+    body = "".join(f"    x = cfg.attr{k} + other.attr{k} + cfg.attr{k}\n" for k in range(3000))
+    exec("def hook(g):\n" + body, namespace)
+    reads = 0
+    real = _runtime.inspect.getattr_static
+
+    def counted(obj: object, name: str, default: object = None) -> object:
+        nonlocal reads
+        reads += 1
+        return real(obj, name, default)
+
+    monkeypatch.setattr(_runtime.inspect, "getattr_static", counted)
+    assert not _runtime._names_a_hook_change([namespace["hook"]])
+    # 3,000 distinct names on the first object (its class's module), none past the bound on the second.
+    assert reads <= _runtime._MAX_ATTRIBUTE_LOOKUPS + 16, reads
+
+
 def test_a_hook_that_registers_hooks_outside_its_graph_changes_nothing(backend: str) -> None:
     """A hook registered from a hook on another graph's tensor is no change to this graph's hooks."""
     elsewhere = torch.ones(2, requires_grad=True) * 2

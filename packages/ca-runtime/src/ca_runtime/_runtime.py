@@ -340,17 +340,20 @@ class _HookCodeScan:
 
     A called function is followed when the name resolves, without running
     anything, to a Python function: a global of the calling function's
-    module, a function or bound method in its closure, a method of an
-    object such a name holds (``helper.swap()``, looked up on the object's
-    class, never on the instance), a function of a module such a name holds
-    (``mod.swap()``; neither torch's nor the standard library's, see
-    ``_attributes_named``), or (for a bound method's code) a method of its
-    object's class. At most ``_MAX_FUNCTIONS_FOLLOWED`` functions, each
-    once.
+    module, a function or bound method in its closure, or (for a bound
+    method's code) a method of its object's class; with
+    ``follow_held_objects``, also a method of an object such a name holds
+    (``helper.swap()``, looked up on the object's class, never on the
+    instance) or a function of a module such a name holds (``mod.swap()``),
+    neither torch's nor the standard library's (see ``_attributes_named``).
+    At most ``_MAX_FUNCTIONS_FOLLOWED`` functions, each once, and
+    ``_MAX_ATTRIBUTE_LOOKUPS`` lookups of held objects' attributes.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, follow_held_objects: bool) -> None:
         self.seen: set[types.CodeType] = set()
+        self.follow_held_objects = follow_held_objects
+        self.lookups_left = _MAX_ATTRIBUTE_LOOKUPS
 
     def function_names_a_hook_change(self, function: types.FunctionType, owner: type | None = None) -> bool:
         closure = tuple(cell.cell_contents for cell in function.__closure__ or () if _cell_has_contents(cell))
@@ -376,12 +379,16 @@ class _HookCodeScan:
         global_names, attribute_names = _names_loaded(code)
         named = [globals_.get(name) for name in global_names]
         named += closure
-        called: list[tuple[object, type | None]] = [(value, owner) for value in named]
+        # (what a name resolves to, the class whose methods its code may call, reached through a held object)
+        called: list[tuple[object, type | None, bool]] = [(value, owner, False) for value in named]
         if owner is not None:
-            called += [(inspect.getattr_static(owner, name, None), owner) for name in attribute_names]
-        for value in named:
-            called += _attributes_named(value, attribute_names)
-        for target, target_owner in called:
+            called += [(inspect.getattr_static(owner, name, None), owner, False) for name in attribute_names]
+        if self.follow_held_objects:
+            for value in {id(v): v for v in named}.values():
+                found = _attributes_named(value, attribute_names, self.lookups_left)
+                self.lookups_left -= len(attribute_names)
+                called += [(target, target_owner, True) for target, target_owner in found]
+        for target, target_owner, via_held_object in called:
             function: object
             function_owner: type | None
             if isinstance(target, types.MethodType):
@@ -392,6 +399,8 @@ class _HookCodeScan:
                 function, function_owner = target, target_owner
             if not isinstance(function, types.FunctionType) or function.__code__ in self.seen:
                 continue
+            if via_held_object and _torch_or_stdlib(function.__module__):
+                continue
             if len(self.seen) >= _MAX_FUNCTIONS_FOLLOWED:
                 return False
             if self.function_names_a_hook_change(function, function_owner):
@@ -399,13 +408,23 @@ class _HookCodeScan:
         return False
 
 
-def _attributes_named(value: object, names: list[str]) -> list[tuple[object, type | None]]:
-    """What ``value.name`` is, for each of ``names``, where that reads no code: a module's
-    own attribute, or a method of an object's class (with that class, as its owner).
+#: How many attributes of held objects one look reads at most; see _HookCodeScan.
+_MAX_ATTRIBUTE_LOOKUPS = 4096
 
-    Objects, modules and functions of torch or the standard library
-    (builtins included) are not followed this way: an optimizer's ``step``
-    or a scheduler called from a post-accumulate-grad hook (torch's
+#: The descriptor of a module's namespace, read without a subclass's code.
+_MODULE_DICT: Any = vars(types.ModuleType)["__dict__"]
+
+
+def _attributes_named(value: object, names: list[str], budget: int) -> list[tuple[object, type | None]]:
+    """What ``value.name`` is, for each of ``names``, where that reads no code: a module's
+    own attribute, or what an object's class holds under that name (with that
+    class, as its owner). Nothing once ``budget`` lookups are spent.
+
+    Every read is static (``inspect.getattr_static``): no ``__getattr__``,
+    property or proxy of the user's runs. Objects and modules of torch or the
+    standard library (builtins included) are not followed this way, nor are
+    functions of theirs found through another object: an optimizer's
+    ``step`` or a scheduler called from a post-accumulate-grad hook (torch's
     documented optimizer-in-backward) changes no hooks, and its code calls
     ``list.remove``/``set.remove``, which a look at names alone cannot tell
     from a handle's ``remove`` (following it would run the first backward of
@@ -413,23 +432,20 @@ def _attributes_named(value: object, names: list[str]) -> list[tuple[object, typ
     hooks would lead the look through ``logging`` and ``traceback`` (10 ms
     a look, for code that registers no hooks).
     """
+    if budget < len(names):
+        return []
     if isinstance(value, types.ModuleType):
-        if _torch_or_stdlib(value.__name__):
+        # ModuleType's own __dict__ slot: a subclass's __dict__ property is not run.
+        attributes = _MODULE_DICT.__get__(value)
+        if not isinstance(attributes, dict) or _torch_or_stdlib(attributes.get("__name__")):
             return []
-        attributes = vars(value)
-        found: list[tuple[object, type | None]] = [(attributes.get(name), None) for name in names]
-    else:
-        cls = type(value)
-        if _torch_or_stdlib(cls.__module__) or isinstance(
-            value, (type, types.FunctionType, types.MethodType)
-        ):
-            return []
-        found = [(inspect.getattr_static(cls, name, None), cls) for name in names]
-    return [
-        (target, owner)
-        for target, owner in found
-        if not _torch_or_stdlib(getattr(target, "__module__", None))
-    ]
+        return [(attributes.get(name), None) for name in names]
+    cls = type(value)
+    if _torch_or_stdlib(inspect.getattr_static(cls, "__module__", None)) or isinstance(
+        value, (type, types.FunctionType, types.MethodType)
+    ):
+        return []
+    return [(inspect.getattr_static(cls, name, None), cls) for name in names]
 
 
 def _torch_or_stdlib(module: object) -> bool:
@@ -441,15 +457,15 @@ def _torch_or_stdlib(module: object) -> bool:
 
 
 def _names_loaded(code: types.CodeType) -> tuple[list[str], list[str]]:
-    """The names ``code`` loads as globals, and those it loads as attributes (``x.name``), in order."""
-    global_names: list[str] = []
-    attribute_names: list[str] = []
+    """The names ``code`` loads as globals, and those it loads as attributes (``x.name``), each once, in order."""
+    global_names: dict[str, None] = {}
+    attribute_names: dict[str, None] = {}
     for instruction in dis.get_instructions(code):
         if instruction.opname == "LOAD_GLOBAL":
-            global_names.append(instruction.argval)
+            global_names[instruction.argval] = None
         elif instruction.opname in ("LOAD_ATTR", "LOAD_METHOD"):
-            attribute_names.append(instruction.argval)
-    return global_names, attribute_names
+            attribute_names[instruction.argval] = None
+    return list(global_names), list(attribute_names)
 
 
 def _cell_has_contents(cell: types.CellType) -> bool:
@@ -490,13 +506,25 @@ def _functions_run_by(obj: object) -> Iterator[tuple[types.FunctionType, type | 
 
 
 def _names_a_hook_change(hooks: Sequence[object]) -> bool:
-    """Whether code the graph would call names a hook registration or removal; see [Note: Which captures wait]."""
-    scan = _HookCodeScan()
-    return any(
-        scan.function_names_a_hook_change(function, owner)
-        for obj in hooks
-        for function, owner in _functions_run_by(obj)
-    )
+    """Whether code the graph would call names a hook registration or removal; see [Note: Which captures wait].
+
+    Two looks: the names that resolve directly first, then with held objects'
+    methods and modules' functions too (``_HookCodeScan``), each with its
+    own bound, so that a library reached through an object cannot spend the
+    bound before a function the hook calls by name is read. The look runs
+    inside a backward on whatever the hooks hold: if it fails on an object
+    it cannot read, the hooks are taken as ones that may change hooks (the
+    first backward runs eagerly, which is eager's answer), never raised.
+    """
+    try:
+        return any(
+            scan.function_names_a_hook_change(function, owner)
+            for scan in (_HookCodeScan(follow_held_objects=False), _HookCodeScan(follow_held_objects=True))
+            for obj in hooks
+            for function, owner in _functions_run_by(obj)
+        )
+    except Exception:  # noqa: BLE001 - see the docstring: a look that fails answers "may change"
+        return True
 
 
 class Runtime:
@@ -616,8 +644,9 @@ class Runtime:
         if under_vmap() and is_plain_torch_compile_of(returned, form):
             compiled = form  # see [Note: Graphs of a backward inside a vmap]
             log.info(
-                "ca_runtime: a backward inside a vmap (is_grads_batched=True, torch.func.vmap) runs its "
-                "captured graph uncompiled: Dynamo cannot take batched tensors as graph inputs"
+                "ca_runtime: a backward inside a vmap or another torch.func transform (is_grads_batched=True, "
+                "torch.func.vmap) runs its captured graph uncompiled: Dynamo cannot take their wrapped "
+                "tensors as graph inputs"
             )
         # See [Note: What Dynamo keeps of a dropped graph] in _torch_interop.py.
         release_dynamo_state_with(compiled, type(form).forward.__code__, returned)
