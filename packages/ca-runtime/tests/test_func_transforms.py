@@ -111,6 +111,8 @@ def test_a_batched_backward_still_calls_a_compiler_fn_that_is_not_torch_compile(
     result = compare(_batched_jacobian, mine, steps=2)
     result.assert_ok()
     assert len(seen) == 1 and result.stats["cache_hits"] == 1, result.stats
+    assert result.stats["captures"] == 1 and result.stats["eager_fallbacks"] == 0, result.stats
+    assert result.stats["graph_breaks"] == 0, result.stats
 
 
 class _ScaledExp(torch.autograd.Function):
@@ -168,6 +170,7 @@ def test_a_function_vmapped_by_its_generated_rule_is_captured_once(
     assert result.stats["captures"] == captures, result.stats
     assert result.stats["cache_hits"] == 4 - captures, result.stats
     assert result.stats["eager_fallbacks"] == 0, result.stats
+    assert result.stats["graph_breaks"] == captures, result.stats  # the generated Function's node, per graph
 
 
 @pytest.mark.parametrize("transform", ["grad", "vmap_grad"])

@@ -862,6 +862,12 @@ def test_the_look_reads_each_attribute_name_once_and_at_most_4096(monkeypatch: p
     assert not _runtime._names_a_hook_change([namespace["hook"]])
     # 3,000 distinct names on the first object (its class's module), none past the bound on the second.
     assert reads <= _runtime._MAX_ATTRIBUTE_LOOKUPS + 16, reads
+    # Objects the look skips (torch's tensors) spend none of the bound.
+    held = {"a": torch.ones(1), "b": torch.ones(1)}
+    exec("def hook(g):\n    return a.x + b.y\n", held)
+    scan = _runtime._HookCodeScan(follow_held_objects=True)
+    assert not scan.function_names_a_hook_change(held["hook"])
+    assert scan.lookups_left == _runtime._MAX_ATTRIBUTE_LOOKUPS
 
 
 def test_a_hook_that_registers_hooks_outside_its_graph_changes_nothing(backend: str) -> None:

@@ -386,7 +386,7 @@ class _HookCodeScan:
         if self.follow_held_objects:
             for value in {id(v): v for v in named}.values():
                 found = _attributes_named(value, attribute_names, self.lookups_left)
-                self.lookups_left -= len(attribute_names)
+                self.lookups_left -= len(found)  # one lookup per name read; none for an object skipped
                 called += [(target, target_owner, True) for target, target_owner in found]
         for target, target_owner, via_held_object in called:
             function: object
