@@ -167,6 +167,9 @@ struct BackwardState {
   bool accumulate_grad = true;
   /// Grad mode of the backward (create_graph=True).
   bool create_graph = false;
+  /// The backward runs inside a vmap or another functorch transform, as the
+  /// root's key records; see [Note: Backwards inside a vmap].
+  bool inside_a_vmap = false;
   /// Some leaf with post-accumulate-grad hooks lifts its variable (see
   /// [Note: Leaves accumulated in the graph]): its hooks may mutate it, so
   /// without create_graph non-leaf lifted tensors go in detached.

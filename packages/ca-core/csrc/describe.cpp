@@ -169,6 +169,11 @@ struct BackwardGraph {
   bool create_graph = false;
   /// False for torch.autograd.grad.
   bool accumulate_grad = true;
+  /// Run inside a vmap or another functorch transform (is_grads_batched=True,
+  /// torch.func.vmap, grad, jvp): its graph takes their wrapped tensors. The
+  /// walk's reading, the one the root's key holds; see [Note: Backwards inside
+  /// a vmap] (graph_walk.cpp).
+  bool inside_a_vmap = false;
   /// Per size input (size_offset-based indices): dynamic, i.e. passed in the
   /// graph's `sizes` list (in order) instead of specialised; see
   /// [Note: Dynamic sizes].
@@ -259,6 +264,7 @@ nb::object describe_backward(const BackwardState& state, uint64_t entry_id) {
   graph.num_tensors = static_cast<uint32_t>(state.lifted_tensors.size());
   graph.create_graph = state.create_graph;
   graph.accumulate_grad = state.accumulate_grad;
+  graph.inside_a_vmap = state.inside_a_vmap;
   graph.dynamic_sizes = state.dynamic_sizes;
   if (state.miss_node >= 0) {
     graph.miss_node = static_cast<uint32_t>(state.miss_node);
@@ -431,6 +437,7 @@ void register_describe(nb::module_& m) {
       .def_ro("num_scalars", &BackwardGraph::num_scalars)
       .def_ro("create_graph", &BackwardGraph::create_graph)
       .def_ro("accumulate_grad", &BackwardGraph::accumulate_grad)
+      .def_ro("inside_a_vmap", &BackwardGraph::inside_a_vmap)
       .def_ro("dynamic_sizes", &BackwardGraph::dynamic_sizes)
       .def_ro("miss_node", &BackwardGraph::miss_node)
       .def_ro("miss_reason", &BackwardGraph::miss_reason)

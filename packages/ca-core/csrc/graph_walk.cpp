@@ -135,6 +135,7 @@ void BackwardState::reset() {
   keep_graph = false;
   accumulate_grad = true;
   create_graph = false;
+  inside_a_vmap = false;
   first_python_node = -1;
   first_python_node_post_hook_id = 0;
   leaf_hooks_in_graph = false;
@@ -584,7 +585,9 @@ class GraphWalk {
   // [Note: Graphs of a backward inside a vmap]); a graph compiled outside a
   // vmap would be handed batched tensors on a hit and make Dynamo try (and
   // fail) to compile again. So whether the backward runs inside a vmap is
-  // part of the root's key: the two are separate entries. Two thread-local
+  // part of the root's key: the two are separate entries, and capture() is
+  // told the same reading (BackwardGraph::inside_a_vmap), so that the key and
+  // the runtime's choices never disagree. Two thread-local
   // reads per backward: the legacy vmap's nesting level, and the dispatch
   // key functorch includes in this thread's key set while its transform
   // stack is not empty (setDynamicLayerFrontBackKeysIncluded).
@@ -604,7 +607,8 @@ class GraphWalk {
     // their number is part of the root's key.
     if (fn == root_.get()) {
       args.collect_size(state_->num_outputs);
-      args.collect_size(static_cast<size_t>(inside_a_vmap()));
+      state_->inside_a_vmap = inside_a_vmap();
+      args.collect_size(static_cast<size_t>(state_->inside_a_vmap));
     }
     collect_node_call(args, ns, fn);
     if (!args.cond(call.needed)) {

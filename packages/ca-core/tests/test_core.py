@@ -80,6 +80,37 @@ def test_walk_describes_nodes_in_eager_order_and_remembers_failure() -> None:
         ca_core.EagerIfFasterChoice.none,
     )
     ca_core.clear_cache()
+
+
+def test_the_walk_says_whether_a_backward_runs_inside_a_vmap_and_keys_it_apart() -> None:
+    """[Note: Backwards inside a vmap]: the bit the root's key holds is the one capture() is told."""
+    ca_core.clear_cache()
+    runtime = RecordingRuntime()
+    x = torch.ones(3, requires_grad=True)
+    seen_outside: list[tuple[int, ...]] = []
+
+    def square_sum(t: torch.Tensor) -> torch.Tensor:
+        return (t * t).sum()
+
+    ca_core.install_engine_hook(runtime)
+    try:
+        torch.autograd.grad(square_sum(x), x)
+        torch.autograd.grad(square_sum(x), x, torch.ones(2), is_grads_batched=True)
+        # A backward inside torch.func.vmap, of another graph (the same one
+        # would be the batched backward's key path).
+        y = x.sin().sum()
+        torch.func.vmap(lambda v: torch.autograd.grad(y, x, v, retain_graph=True))(torch.ones(2))
+        seen_outside.append(tuple(torch.autograd.grad(square_sum(x), x)[0].shape))
+    finally:
+        ca_core.uninstall_engine_hook()
+    # Outside, batched (legacy vmap), inside torch.func.vmap; the fourth
+    # backward is the first's key path, whose failed entry serves it.
+    assert [g.inside_a_vmap for g in runtime.graphs] == [False, True, True]
+    assert seen_outside == [(3,)]
+    # Reading the legacy vmap's level left it as it was.
+    assert torch._C._vmapmode_increment_nesting() == 1
+    torch._C._vmapmode_decrement_nesting()
+    ca_core.clear_cache()
     assert [node for node in ca_core.cache_tree() if node.failed or node.has_graph] == []
 
 

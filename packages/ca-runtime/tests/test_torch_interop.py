@@ -663,23 +663,6 @@ def test_the_private_torch_scan_sees_attributes_and_imports() -> None:
     ]
 
 
-def test_30_under_vmap_sees_functorch_and_the_legacy_vmap_and_leaves_the_nesting_alone() -> None:
-    assert not _torch_interop.under_vmap()
-    seen: list[bool] = []
-
-    def record(t: torch.Tensor) -> torch.Tensor:
-        seen.append(_torch_interop.under_vmap())
-        return t
-
-    torch.func.vmap(record)(torch.ones(2, 3))
-    x = torch.ones(3, requires_grad=True)
-    y = (x * x).sum()
-    y.grad_fn.register_hook(lambda grad_inputs, grad_outputs: seen.append(_torch_interop.under_vmap()))
-    torch.autograd.grad(y, x, torch.ones(2), is_grads_batched=True)
-    assert seen == [True, True]
-    assert not _torch_interop.under_vmap()  # reading the legacy nesting left it as it was
-
-
 def test_31_the_reuse_rule_wraps_inductors_check_once_and_asks_it_only_where_it_applies() -> None:
     from torch._inductor.codegen.segmented_tree import SegmentedTree
     from torch._inductor.codegen.wrapper import AllocateLine, EfficientPeakEstimate, FreeIfNotReusedLine

@@ -320,7 +320,7 @@ class _GraphBuilder:
         self.leaf_hooks_only: list[bool] = []
         self.graph_breaks: list[GraphBreak] = []
         # Per-node rules, once: see [Note: Leaf accumulation order].
-        self._rules = {n.index: rule_for(n) for n in self.nodes if n.needed}
+        self._rules = {n.index: rule_for(n, graph) for n in self.nodes if n.needed}
         self._handlings = {
             n.index: _handling_of(n, self._rules[n.index], graph.create_graph)
             for n in self.nodes

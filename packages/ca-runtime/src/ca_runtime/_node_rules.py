@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import ca_core
 
 from ca_runtime._aot import is_aot_backward
-from ca_runtime._torch_interop import dynamo_skips, under_vmap
+from ca_runtime._torch_interop import dynamo_skips
 
 __all__ = ["HOOK_RULES", "NODE_RULES", "Handling", "HookRule", "NodeRule", "rule_for"]
 
@@ -52,19 +52,23 @@ class NodeRule:
     reason: str = ""
     #: fnmatch pattern on ``NodeInfo.name`` (e.g. the Function's class).
     name: str = "*"
-    #: Extra condition on the node; None matches every node.
-    condition: Callable[[ca_core.NodeInfo], bool] | None = None
+    #: Extra condition on the node in its backward; None matches every node.
+    condition: Callable[[ca_core.NodeInfo, ca_core.BackwardGraph], bool] | None = None
     #: Its backward reads leaf ``.grad`` fields this backward wrote: the
     #: leaves before it are accumulated at their eager position; see
     #: [Note: Leaf accumulation order].
     reads_leaf_grads: bool = False
 
 
-def _unpacks_before_it_could_fail(node: ca_core.NodeInfo) -> bool:
+def _unpacks_before_it_could_fail(node: ca_core.NodeInfo, graph: ca_core.BackwardGraph) -> bool:
     """Its unpack hooks, called before it, would run where eager's CopySlices fails first; see its row."""
     if not node.unpack_hook_fns:
         return False
-    return under_vmap() or any(dynamo_skips(hook) for hook in node.unpack_hook_fns)
+    return graph.inside_a_vmap or any(dynamo_skips(hook) for hook in node.unpack_hook_fns)
+
+
+def _is_aot_backward(node: ca_core.NodeInfo, graph: ca_core.BackwardGraph) -> bool:
+    return is_aot_backward(node)
 
 
 NODE_RULES: tuple[NodeRule, ...] = (
@@ -74,7 +78,7 @@ NODE_RULES: tuple[NodeRule, ...] = (
         "reentrant checkpoint runs a backward inside its backward",
         name="CheckpointFunctionBackward",
     ),
-    NodeRule("torch::autograd::PyNode", Handling.AOT, condition=is_aot_backward),
+    NodeRule("torch::autograd::PyNode", Handling.AOT, condition=_is_aot_backward),
     # FSDP2's post-backward reduce-scatters the unsharded parameters' .grad.
     NodeRule(
         "torch::autograd::PyNode",
@@ -117,15 +121,15 @@ _DEFAULT = NodeRule("*", Handling.TRACE)
 _ACCUMULATE = NodeRule("torch::autograd::AccumulateGrad", Handling.ACCUMULATE)
 
 
-def rule_for(node: ca_core.NodeInfo) -> NodeRule:
-    """ACCUMULATE for ca_core's AccumulateGrad nodes, else the first matching rule."""
+def rule_for(node: ca_core.NodeInfo, graph: ca_core.BackwardGraph) -> NodeRule:
+    """ACCUMULATE for ca_core's AccumulateGrad nodes, else the first matching rule for ``node`` in ``graph``."""
     if node.is_accumulate_grad:
         return _ACCUMULATE
     for rule in NODE_RULES:
         if (
             fnmatch.fnmatchcase(node.type_name, rule.pattern)
             and fnmatch.fnmatchcase(node.name, rule.name)
-            and (rule.condition is None or rule.condition(node))
+            and (rule.condition is None or rule.condition(node, graph))
         ):
             return rule
     return _DEFAULT

@@ -100,7 +100,6 @@ from ca_runtime._torch_interop import (
     release_dynamo_state_with,
     set_locals_to_steal,
     sources_made,
-    under_vmap,
     warnings_ignored_while_dynamo_compiles,
 )
 
@@ -194,7 +193,9 @@ def _compiled_form(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 # compiler_fn that returns anything else is called and used as always.
 # ca_core keys these backwards apart from the same graph outside a vmap
 # ([Note: Backwards inside a vmap] in graph_walk.cpp), so a graph compiled
-# outside one never sees batched tensors.
+# outside one never sees batched tensors; the walk's reading, the one that
+# key holds, is ``BackwardGraph.inside_a_vmap``, and it is the only one the
+# capture reads (the CopySlices row of _node_rules.py too).
 
 
 # [Note: Dynamo's tracing cycles]
@@ -641,7 +642,7 @@ class Runtime:
             compiled = torch.compile(form, backend="eager", dynamic=None)
         # See [Note: Calling Dynamo's cached code directly] in _dynamo_direct.py.
         returned, compiled = compiled, wrap_if_dynamo_module(compiled, form)
-        if under_vmap() and is_plain_torch_compile_of(returned, form):
+        if graph.inside_a_vmap and is_plain_torch_compile_of(returned, form):
             compiled = form  # see [Note: Graphs of a backward inside a vmap]
             log.info(
                 "ca_runtime: a backward inside a vmap or another torch.func transform (is_grads_batched=True, "

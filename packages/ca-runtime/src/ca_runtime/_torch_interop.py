@@ -152,13 +152,10 @@ Used through this module:
      dynamic shapes): a first run marks the sizes and tensor dims that
      changed dynamic (``maybe_mark_dynamic``); see [Note: Dynamic sizes] in
      ca_core.
-  30. ``torch._C._functorch.peek_interpreter_stack`` and the legacy vmap's
-     ``torch._C._vmapmode_increment_nesting``/``_vmapmode_decrement_nesting``
-     (which ``autograd.grad(is_grads_batched=True)`` runs under): whether a
-     backward runs inside a vmap or another functorch transform, where Dynamo
-     cannot trace the graph's batched tensors and the graph runs as Python
-     (``under_vmap``; _node_rules.py's CopySlices row, and _runtime.py's
-     [Note: Graphs of a backward inside a vmap]).
+  30. Retired: whether a backward runs inside a vmap or another functorch
+     transform is ca_core's reading (``BackwardGraph.inside_a_vmap``, the
+     bit the root's key holds; see [Note: Backwards inside a vmap] in
+     ca_core), not a second one here.
   31. Inductor's buffer reuse in the code it generates: the method that
      decides one (``torch._inductor.codegen.wrapper.AllocateLine.should_reuse_buffer``,
      wrapped once per process so that a rule of ours decides for our graphs),
@@ -278,7 +275,6 @@ __all__ = [
     "storage_use_count",
     "tensor_use_count",
     "torch_compiled_autograd_enabled",
-    "under_vmap",
     "warnings_ignored_while_dynamo_compiles",
 ]
 
@@ -1197,16 +1193,6 @@ def storage_key(storage: torch.UntypedStorage) -> int:
 def storage_use_count(key: int) -> int:
     """27. References to the StorageImpl at ``key`` (a ``storage_key``): one from each tensor on it and each Python storage object."""
     return torch._C._storage_Use_Count(key)
-
-
-def under_vmap() -> bool:
-    """30. Whether this thread is inside a functorch transform (``torch.func.vmap``, grad, jvp) or the legacy vmap of ``is_grads_batched``."""
-    if torch._C._functorch.peek_interpreter_stack() is not None:
-        return True
-    # The legacy vmap keeps only a nesting count; reading it means entering one more level.
-    level = torch._C._vmapmode_increment_nesting()
-    torch._C._vmapmode_decrement_nesting()
-    return level > 1
 
 
 def inductor_config() -> Any:
