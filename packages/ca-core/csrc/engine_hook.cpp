@@ -822,9 +822,10 @@ backward costs milliseconds, so a program whose backwards each run once (an
 evaluation script, a notebook, gradcheck's perturbed graphs) pays far more
 for them than eager would, for hits that never come. Before capturing at an
 entry without a graph, the engine hook asks the runtime's optional
-`defer_capture(sightings, hooks)` (sightings: the backwards this entry has
-deferred before; hooks: the Python objects the graph would call, its `hooks`
-input); if it answers True, this backward runs on the eager engine, the
+`defer_capture(sightings, hooks, sizes_changed)` (sightings: the backwards
+this entry has deferred before; hooks: the Python objects the graph would
+call, its `hooks` input; sizes_changed: see [Note: Sightings whose sizes
+changed]); if it answers True, this backward runs on the eager engine, the
 entry's `sightings` goes up and deferred_captures counts it. Nothing else
 changes: the entry is not failed, and its next backward asks again. The
 runtime's rules (ca_runtime's [Note: Which captures wait]) read nothing but
@@ -835,6 +836,40 @@ that changes other nodes' hooks shows before any graph runs: see [Note:
 Hooks changed while a graph runs].
 */
 
+/// Whether a backward's lifted sizes or tensor shapes differ from the entry's
+/// last deferred sighting; see [Note: Sightings whose sizes changed].
+bool sizes_changed_since_sighting(const ShadowNode& entry, const BackwardState& state, const GraphArgs& args) {
+  if (entry.sightings == 0) {
+    return false;
+  }
+  if (args.size_values != entry.expected_sizes || state.lifted_tensors.size() != entry.tensor_shapes.size()) {
+    return true;
+  }
+  for (size_t i = 0; i < state.lifted_tensors.size(); ++i) {
+    const auto now = state.lifted_tensors[i].sizes();
+    const auto& before = entry.tensor_shapes[i];
+    if (!std::equal(now.begin(), now.end(), before.begin(), before.end())) {
+      return true;
+    }
+  }
+  return false;
+}
+
+/*
+[Note: Sightings whose sizes changed]
+An entry without a graph keeps the sizes and lifted tensor shapes of its
+last deferred backward in expected_sizes and tensor_shapes (which lookup
+reads only beside a graph, so they match nothing there). The runtime's
+defer_capture is told whether this backward's differ from them: a program
+that runs the same model at several sizes once each (a notebook trying
+widths) shares one key path across them, and a rule that counts sightings
+alone would capture it although no size comes back; see ca_runtime's [Note:
+Which captures wait]. When the capture comes, choose_dynamic reads them as
+it reads a last capture's: what changed since the last sighting is dynamic
+from the first graph on, so a loop whose sizes change every step is
+captured once.
+*/
+
 /// Whether the runtime defers this backward's capture (it then runs eagerly);
 /// see [Note: Deferred captures].
 bool defers_capture(BackwardRun& run) {
@@ -842,13 +877,19 @@ bool defers_capture(BackwardRun& run) {
   if (defer.is_none()) {
     return false;
   }
-  const uint32_t sightings = run.entry_alive() ? run.entry->sightings : 0;
-  if (!nb::cast<bool>(defer(sightings, run.args.hooks))) {
+  const bool alive = run.entry_alive();
+  const uint32_t sightings = alive ? run.entry->sightings : 0;
+  const bool sizes_changed = alive && sizes_changed_since_sighting(*run.entry, *run.state, run.args);
+  if (!nb::cast<bool>(defer(sightings, run.args.hooks, sizes_changed))) {
     return false;
   }
   ++g_counters.deferred_captures;
-  if (run.entry_alive()) {
-    ++run.entry->sightings;
+  if (alive) {
+    ShadowNode& entry = *run.entry;
+    ++entry.sightings;
+    // See [Note: Sightings whose sizes changed].
+    entry.expected_sizes = run.args.size_values;
+    entry.tensor_shapes = tensor_shapes(*run.state);
   }
   return true;
 }

@@ -9,6 +9,7 @@ ones are captured and served from the cache as without the option.
 from __future__ import annotations
 
 import functools
+import itertools
 from typing import Any
 
 import ca_runtime
@@ -56,6 +57,86 @@ def test_capture_after_1_is_the_default_and_captures_at_once(backend: str) -> No
     result.assert_ok()
     stats = result.stats
     assert (stats["deferred_captures"], stats["captures"], stats["cache_hits"]) == (0, 1, 2), stats
+
+
+def _mlp_backward(depth: int, width: int, batch: int = 8) -> Any:
+    """One backward of a fresh tanh MLP (2 -> width x depth -> 1): a notebook cell."""
+    gen = torch.Generator().manual_seed(depth * 100 + width)
+    sizes = [2] + [width] * depth + [1]
+    weights = [
+        torch.randn(a, b, generator=gen).mul_(0.5).requires_grad_() for a, b in itertools.pairwise(sizes)
+    ]
+    h = torch.randn(batch, 2, generator=gen)
+    for i, w in enumerate(weights):
+        h = h @ w
+        if i + 1 < len(weights):
+            h = h.tanh()
+    h.square().mean().backward()
+    return [w.grad for w in weights]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_model_tried_at_several_sizes_once_each_is_never_captured(backend: str) -> None:
+    """The notebook of [Note: Which captures wait]: depths 2-5 x widths 16 and 32, one backward each.
+
+    A third width of a depth would be captured: see the loop below, whose sizes change every step.
+    """
+    cells = [(depth, width) for depth in (2, 3, 4, 5) for width in (16, 32)]
+    result = compare(
+        lambda i: _mlp_backward(*cells[i]),
+        backend,
+        steps=len(cells),
+        impl="ca-capture-after-2",
+        expect_capture=False,
+    )
+    result.assert_ok()
+    stats = result.stats
+    # Every backward ran through ca's engine hook and chose the eager engine.
+    assert (stats["captures"], stats["cache_hits"], stats["deferred_captures"]) == (0, 0, len(cells)), stats
+    assert stats["eager_fallbacks"] == 0, stats
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_loop_whose_sizes_change_every_step_is_captured_once_with_dynamic_sizes(backend: str) -> None:
+    """Batch 3, 4, 5, ...: the first two sightings differ, the third is captured dynamic and the rest hit it."""
+    result = compare(lambda i: _mlp_backward(3, 16, batch=3 + i), backend, steps=6, impl="ca-capture-after-2")
+    result.assert_ok()
+    stats = result.stats
+    assert (stats["deferred_captures"], stats["captures"], stats["cache_hits"]) == (2, 1, 3), stats
+    assert stats["eager_fallbacks"] == 0, stats
+
+
+def test_a_size_that_changes_then_comes_back_is_captured_on_its_return() -> None:
+    """Batches 3, 5, 5, 5: the second sighting changed sizes, the third is the same as the second and is captured."""
+    ca_runtime.reset()
+    with ca_runtime.enable("eager", capture_after=2):
+        _mlp_backward(2, 16, batch=3)
+        _mlp_backward(2, 16, batch=5)
+        assert (ca_runtime.stats()["deferred_captures"], ca_runtime.stats()["captures"]) == (2, 0)
+        _mlp_backward(2, 16, batch=5)
+        assert (ca_runtime.stats()["deferred_captures"], ca_runtime.stats()["captures"]) == (2, 1)
+        _mlp_backward(2, 16, batch=5)
+        assert ca_runtime.stats()["cache_hits"] == 1
+
+
+def test_sizes_do_not_delay_capture_after_1() -> None:
+    """capture_after=1 captures the first backward (no sighting to compare with), then misses on sizes as before."""
+    ca_runtime.reset()
+    with ca_runtime.enable("eager", capture_after=1):
+        for batch in (3, 4, 5):
+            _mlp_backward(2, 16, batch=batch)
+    stats = ca_runtime.stats()
+    assert stats["deferred_captures"] == 0 and stats["captures"] == 2 and stats["cache_hits"] == 1, stats
+
+
+@pytest.mark.parametrize("sightings", [0, 1, 3])
+@pytest.mark.parametrize("sizes_changed", [False, True])
+@pytest.mark.parametrize("capture_after", [1, 2, 3])
+def test_the_rule_as_a_table(capture_after: int, sightings: int, sizes_changed: bool) -> None:
+    runtime = ca_runtime.Runtime("eager")
+    runtime.capture_after = capture_after
+    expected = sightings + 1 < capture_after + sizes_changed
+    assert runtime.defer_capture(sightings, [], sizes_changed) is expected
 
 
 @pytest.mark.parametrize("capture_after", [3, 5])
@@ -122,7 +203,7 @@ def test_a_graph_captured_before_gradcheck_still_hits_inside_it() -> None:
         return a.sin()
 
     ca_runtime.reset()
-    with ca_runtime.enable("aot_eager"):
+    with ca_runtime.enable("aot_eager", capture_after=1):
         probe()  # w.grad is None: one key path
         probe()  # w.grad is set: the key path gradcheck's probes take
         assert (ca_runtime.stats()["captures"], ca_runtime.stats()["cache_hits"]) == (2, 0)

@@ -551,19 +551,29 @@ class Runtime:
         #: (``pending``) or failed (``failed_first_run``); see _report/records.py.
         self._records = threading.local()
 
-    def defer_capture(self, sightings: int, hooks: Sequence[object]) -> bool:
+    def defer_capture(self, sightings: int, hooks: Sequence[object], sizes_changed: bool = False) -> bool:
         """[Note: Which captures wait]
         Whether a backward at a cache entry without a graph runs eagerly
         instead of being captured now (see [Note: Deferred captures] in
         ca_core, which counts ``sightings``, the backwards the entry deferred
-        before; ``hooks`` are the Python objects its graph would call). Three
-        rules, all reading nothing that varies between runs of a program:
+        before; ``hooks`` are the Python objects its graph would call;
+        ``sizes_changed``: this backward's sizes differ from the last deferred
+        one's). Four rules, all reading nothing that varies between runs of a
+        program:
 
         - ``enable(capture_after=N)``: a key path is captured on its N-th
           backward; the N - 1 before run eagerly. The default, 1, captures at
           once. 2 suits programs whose backwards mostly run once (an
           evaluation script, a notebook): a graph that comes back is captured
-          the second time, so a training loop pays one eager step per graph.
+          the second time, so a training loop pays one eager step per graph
+          (the capture is paid once either way).
+        - A sighting whose sizes changed since the one before (ca_core's
+          [Note: Sightings whose sizes changed]; only with N >= 2, as the
+          first backward has none before it) does not count toward N: the
+          same model run at several sizes once each (a notebook trying
+          widths) shares one key path, and no size of it comes back. A loop
+          whose sizes change every step is captured one backward later, and
+          what changed is dynamic in its first graph.
         - A backward that ``torch.autograd.gradcheck`` or ``gradgradcheck``
           runs is never captured: each of their perturbed inputs builds a
           new graph that runs once (the numerical Jacobian), so capturing
@@ -585,7 +595,9 @@ class Runtime:
           up to 64 functions: a hook that swaps hooks through a helper is
           found as one that does it itself.
         """
-        if sightings + 1 < self.capture_after or _inside_gradcheck():
+        if _inside_gradcheck():
+            return True
+        if sightings + 1 < self.capture_after + (1 if sizes_changed else 0):
             return True
         return sightings == 0 and _names_a_hook_change(hooks)
 
