@@ -239,12 +239,14 @@ struct ShadowNode {
   /// Its key, whose bytes live in key_storage.
   CacheKey last_key{typeid(void), nullptr, 0};
   /// Size inputs seen at the last capture; a differing static size is a
-  /// miss. See [Note: Dynamic sizes].
+  /// miss. See [Note: Dynamic sizes]. Without a graph: those of the last
+  /// deferred backward; see [Note: Sightings whose sizes changed].
   std::vector<int64_t> expected_sizes;
   /// Per size input: dynamic (a SymInt input of the graph) since it changed.
   std::vector<bool> dynamic_sizes;
-  /// Shapes of the lifted tensors at the last capture, to find the
-  /// dimensions that changed with a size.
+  /// Shapes of the lifted tensors at the last capture (without a graph: at
+  /// the last deferred backward), to find the dimensions that changed with a
+  /// size.
   std::vector<std::vector<int64_t>> tensor_shapes;
   /// The compiled backward, or null before the first capture.
   nb::object compiled_fn;
