@@ -113,8 +113,9 @@ def implementation(impl: str, compiler: Compiler | None) -> Iterator[None]:
             yield
     elif impl == "ours-bg":
         # Ours with Inductor compiling in the background (see [Note: Compiling
-        # in the background]): the backend is "inductor" whatever `compiler` is.
-        with ca_runtime.enable("inductor", compile_in_background=True):
+        # in the background]): the backend is "inductor" whatever `compiler` is;
+        # capture_after=1: the first backward is the background compile's to serve.
+        with ca_runtime.enable("inductor", compile_in_background=True, capture_after=1):
             yield
     else:
         assert compiler is not None

@@ -72,7 +72,7 @@ def test_the_first_background_run_is_bitwise_eager() -> None:
         return [p.grad for p in model.parameters()]
 
     expected = step()
-    with ca_runtime.enable("inductor", compile_in_background=True):
+    with ca_runtime.enable("inductor", compile_in_background=True, capture_after=1):
         got = step()
         assert ca_runtime.wait_for_background_compiles(timeout=600)
         compiled = step()
@@ -88,7 +88,7 @@ def test_the_first_background_run_is_bitwise_eager() -> None:
 def test_background_compile_swaps_in_the_kernels() -> None:
     model, x = _mlp(), torch.randn(5, 8)
     interval = sys.getswitchinterval()
-    with ca_runtime.enable("inductor", compile_in_background=True):
+    with ca_runtime.enable("inductor", compile_in_background=True, capture_after=1):
         model(x).sum().backward()
         assert ca_runtime.stats()["uncompiled_runs"] == 1
         assert ca_runtime.wait_for_background_compiles(timeout=600)
@@ -338,11 +338,11 @@ def test_a_failed_background_compile_warns_and_keeps_eager_results(monkeypatch: 
 
 def test_compile_in_background_rejects_bad_arguments() -> None:
     with pytest.raises(TypeError, match="compile_in_background must be a bool"):
-        ca_runtime.enable("inductor", compile_in_background="yes")  # type: ignore[arg-type]
+        ca_runtime.enable("inductor", compile_in_background="yes", capture_after=1)  # type: ignore[arg-type]
     with pytest.raises(
         ValueError, match=r"compile_in_background=True needs compiler_fn='inductor'.*aot_eager"
     ):
-        ca_runtime.enable("aot_eager", compile_in_background=True)
+        ca_runtime.enable("aot_eager", compile_in_background=True, capture_after=1)
     with pytest.raises(ValueError, match="timeout"):
         ca_runtime.wait_for_background_compiles(timeout=-1)
     assert ca_runtime.wait_for_background_compiles(timeout=0)  # nothing running
@@ -389,7 +389,7 @@ def test_the_process_exits_cleanly_while_a_compile_runs(tmp_path) -> None:
             """
             import ca_runtime, torch
             model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
-            with ca_runtime.enable("inductor", compile_in_background=True):
+            with ca_runtime.enable("inductor", compile_in_background=True, capture_after=1):
                 model(torch.randn(4, 8)).sum().backward()
             assert ca_runtime.stats()["background_compiles"] == 1
             print("exiting", flush=True)

@@ -82,7 +82,7 @@ def _misses(caplog: pytest.LogCaptureFixture) -> list[str]:
 
 def test_miss_reasons_are_logged(backend: str, miss_log: pytest.LogCaptureFixture) -> None:
     model = make_mlp()
-    with ca_runtime.enable(backend):
+    with ca_runtime.enable(backend, capture_after=1):
         model(torch.randn(4, model[0].in_features)).sum().backward()  # first capture: no line
         assert _misses(miss_log) == []
         model(torch.randn(4, model[0].in_features)).sum().backward()
@@ -108,7 +108,7 @@ def test_miss_reasons_are_logged(backend: str, miss_log: pytest.LogCaptureFixtur
 
 def test_last_graph_is_readable_code(backend: str) -> None:
     model = make_mlp()
-    with ca_runtime.enable(backend):
+    with ca_runtime.enable(backend, capture_after=1):
         model(torch.randn(4, model[0].in_features)).sum().backward()
     graph = ca_runtime.last_graph()
     code = graph.code
@@ -119,7 +119,7 @@ def test_last_graph_is_readable_code(backend: str) -> None:
     assert ("relu_backward0", "ReluBackward0") in tagged and ("t_backward0", "TBackward0") in tagged
     # ... with the autograd node's sequence number.
     x = torch.randn(4, model[0].in_features)
-    with ca_runtime.enable(backend):
+    with ca_runtime.enable(backend, capture_after=1):
         out = model(x)
         pending, relu_seq = [out.grad_fn], None
         while pending:
@@ -263,7 +263,7 @@ def test_two_threads_backward_at_once(backend: str) -> None:
         results: list[list[torch.Tensor]] = [[], []]
         models = [make_mlp(), make_mlp()]
         threads = [threading.Thread(target=train, args=(models[i], i, results[i])) for i in range(2)]
-        ctx = ca_runtime.enable(backend) if enabled else ca_runtime.disable()
+        ctx = ca_runtime.enable(backend, capture_after=1) if enabled else ca_runtime.disable()
         with ctx:
             for t in threads:
                 t.start()
@@ -282,7 +282,7 @@ def test_two_threads_backward_at_once(backend: str) -> None:
 
 def test_saved_activations_are_freed_after_backward(backend: str) -> None:
     model = make_mlp()
-    with ca_runtime.enable(backend):
+    with ca_runtime.enable(backend, capture_after=1):
         for _ in range(3):
             hidden = model[1](model[0](torch.randn(4, model[0].in_features)))
             probe = weakref.ref(hidden)
@@ -306,7 +306,7 @@ def test_thousand_steps_keep_one_entry_and_flat_memory(backend: str) -> None:
             model(x).pow(2).mean().backward()
             opt.step()
 
-    with ca_runtime.enable(backend):
+    with ca_runtime.enable(backend, capture_after=1):
         steps(100)  # warm up: captures, allocator pools
         gc.collect()
         before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -319,7 +319,7 @@ def test_thousand_steps_keep_one_entry_and_flat_memory(backend: str) -> None:
 
 def test_cache_info_reports_entries(backend: str) -> None:
     model = make_mlp()
-    with ca_runtime.enable(backend):
+    with ca_runtime.enable(backend, capture_after=1):
         for _ in range(3):
             model(torch.randn(4, model[0].in_features)).sum().backward()
     entries = ca_runtime.cache_info()
@@ -344,7 +344,7 @@ def test_cache_tree_shows_each_key_path_and_links_captured_graphs(
 
     monkeypatch.setattr(runtime_module, "build_graph_module", recording_build)
     x = torch.randn(3, requires_grad=True)
-    with ca_runtime.enable(backend):
+    with ca_runtime.enable(backend, capture_after=1):
         for _ in range(3):
             (x * 2).sum().backward()
         (x.exp()).sum().backward()
@@ -373,7 +373,7 @@ def test_cache_tree_shows_each_key_path_and_links_captured_graphs(
 def test_step_timings_are_collected_only_when_asked(backend: str) -> None:
     x = torch.randn(3, requires_grad=True)
     try:
-        with ca_runtime.enable(backend):
+        with ca_runtime.enable(backend, capture_after=1):
             (x * 2).sum().backward()
             assert ca_core.timings()["timed_backwards"] == 0
             ca_core.set_timing(True)
@@ -417,7 +417,7 @@ def test_the_hook_time_counts_a_nested_backward_once(backend: str) -> None:
 
     ca_core.reset_counters()
     try:
-        with ca_runtime.enable(backend):
+        with ca_runtime.enable(backend, capture_after=1):
             ca_core.set_timing(True)
             out = x * 3
             out.register_hook(nested)
@@ -543,7 +543,7 @@ def test_lifted_scalars_and_nothing_lifted_nodes_match_eager(backend: str, scale
 
 def test_reset_forgets_the_last_graph(backend: str) -> None:
     x = torch.ones(3, requires_grad=True)
-    with ca_runtime.enable(backend):
+    with ca_runtime.enable(backend, capture_after=1):
         (x * 2).sum().backward()
     assert ca_runtime.last_graph() is not None
     ca_runtime.reset()

@@ -36,7 +36,7 @@ def made_anew_each_step(make: Callable[[], object]) -> Iterator[None]:
     if ca_core.installed_runtime() is None:
         yield
         return
-    with ca_runtime.enable(make()):  # type: ignore[arg-type]
+    with ca_runtime.enable(make(), capture_after=1):  # type: ignore[arg-type]
         yield
 
 
@@ -126,7 +126,7 @@ def test_a_compiler_object_drops_its_cache_when_it_dies() -> None:
 
     lin = torch.nn.Linear(3, 2)
     compiler = Compiler()
-    with ca_runtime.enable(compiler):
+    with ca_runtime.enable(compiler, capture_after=1):
         lin(torch.randn(2, 3)).sum().backward()
     assert [e.compiler.startswith("callable:") for e in ca_runtime.cache_info()] == [True]
     del compiler
@@ -138,7 +138,7 @@ def test_a_lambdas_cache_outlives_the_lambda() -> None:
     """Its code lives on (it is a constant of this function's code): a lambda made again finds the entry."""
     lin = torch.nn.Linear(3, 2)
     for _ in range(2):
-        with ca_runtime.enable(lambda gm: gm):
+        with ca_runtime.enable(lambda gm: gm, capture_after=1):
             lin(torch.randn(2, 3)).sum().backward()
         lin.grad = None
         for p in lin.parameters():
@@ -163,7 +163,7 @@ def test_a_dead_anchor_in_a_closure_drops_the_key() -> None:
 
     lin = torch.nn.Linear(3, 2)
     settings = Settings()
-    with ca_runtime.enable(make(settings)):
+    with ca_runtime.enable(make(settings), capture_after=1):
         lin(torch.randn(2, 3)).sum().backward()
     assert len(ca_runtime.cache_info()) == 1
     del settings
@@ -181,7 +181,7 @@ def test_a_compiler_dying_during_another_capture_keeps_that_capture() -> None:
     lin = torch.nn.Linear(3, 2)
     lin(torch.randn(2, 3)).sum().backward()
     doomed = [Doomed()]
-    with ca_runtime.enable(doomed[0]):
+    with ca_runtime.enable(doomed[0], capture_after=1):
         lin(torch.randn(2, 3)).sum().backward()
 
     def compiler_fn(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -201,7 +201,7 @@ def test_runtime_shows_the_compiler_the_user_passed() -> None:
     def compiler(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         return gm
 
-    with ca_runtime.enable("aot_eager") as runtime:
+    with ca_runtime.enable("aot_eager", capture_after=1) as runtime:
         assert runtime.compiler_fn == "aot_eager"
-    with ca_runtime.enable(compiler) as runtime:
+    with ca_runtime.enable(compiler, capture_after=1) as runtime:
         assert runtime.compiler_fn is compiler

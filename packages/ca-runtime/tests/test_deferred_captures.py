@@ -1,4 +1,4 @@
-"""Captures that wait: ``enable(capture_after=N)`` and backwards gradcheck runs.
+"""Captures that wait: ``enable(capture_after=N)`` (default 2) and backwards gradcheck runs.
 
 See [Note: Which captures wait] (ca_runtime) and [Note: Deferred captures]
 (ca_core). Eager autograd is the oracle: a deferred backward runs on the
@@ -52,11 +52,53 @@ def test_capture_after_2_runs_the_first_backward_eagerly_then_captures_and_hits(
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_capture_after_1_is_the_default_and_captures_at_once(backend: str) -> None:
-    result = compare(_step, backend, steps=3)
+def test_capture_after_1_captures_at_once(backend: str) -> None:
+    result = compare(_step, backend, steps=3)  # impl "ca": see [Note: Differential runs capture at once]
     result.assert_ok()
     stats = result.stats
     assert (stats["deferred_captures"], stats["captures"], stats["cache_hits"]) == (0, 1, 2), stats
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_default_captures_a_graph_on_its_second_backward(backend: str) -> None:
+    """``enable(backend)`` as a user writes it: a backward that runs once is never compiled, a loop is from step 2."""
+    with ca_runtime.disable():
+        eager = [_step(i) for i in range(4)]
+    ca_runtime.reset()
+    with ca_runtime.enable(backend):
+        ours = [_step(0)]
+        assert ca_runtime.stats()["captures"] == 0 and ca_runtime.stats()["deferred_captures"] == 1
+        ours += [_step(i) for i in range(1, 4)]
+    stats = ca_runtime.stats()
+    assert (stats["deferred_captures"], stats["captures"], stats["cache_hits"]) == (1, 1, 2), stats
+    assert stats["eager_fallbacks"] == 0, stats
+    for step_eager, step_ours in zip(eager, ours, strict=True):
+        for e, o in zip(step_eager, step_ours, strict=True):
+            assert torch.equal(e, o)
+
+
+def test_torchs_own_backend_names_are_accepted_without_importing_every_backend() -> None:
+    """A program whose backwards all run before their capture never imports AOTAutograd (about 0.4 s)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(
+        """
+        import sys, torch, ca_runtime
+        x = torch.ones(3, requires_grad=True)
+        for backend in ("eager", "aot_eager", "inductor"):
+            with ca_runtime.enable(backend):
+                (x * x).sum().backward()
+        assert ca_runtime.stats()["deferred_captures"] == 3, ca_runtime.stats()
+        print("aot_autograd imported:", "torch._functorch.aot_autograd" in sys.modules)
+        """
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=False, timeout=120
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip().splitlines()[-1] == "aot_autograd imported: False", run.stdout
 
 
 def _mlp_backward(depth: int, width: int, batch: int = 8) -> Any:

@@ -221,7 +221,7 @@ def test_a_user_error_on_a_direct_hit_is_eagers(backend: str) -> None:
         seen = []
         direct_per_step.clear()
         x.grad = None
-        ctx = ca_runtime.enable(backend) if compiled else ca_runtime.disable()
+        ctx = ca_runtime.enable(backend, capture_after=1) if compiled else ca_runtime.disable()
         with ctx:
             for i in range(4):
                 raise_now[0] = i == 2
@@ -327,7 +327,7 @@ def test_a_backward_inside_a_compiled_step(backend: str, recwarn: pytest.Warning
         torch._dynamo.reset()
         counters.clear()
         step = torch.compile(train_step, backend="eager")
-        with ca_runtime.enable(backend) if compiled else ca_runtime.disable():
+        with ca_runtime.enable(backend, capture_after=1) if compiled else ca_runtime.disable():
             for i in range(3):
                 step(*batch(i))
         return int(counters["stats"]["unique_graphs"])
@@ -346,7 +346,7 @@ def test_a_backward_inside_a_compiled_step(backend: str, recwarn: pytest.Warning
 def test_a_profiled_direct_hit_keeps_dynamos_region(backend: str) -> None:
     model = make_mlp()
     step = _mlp_step(model)
-    with ca_runtime.enable(backend):
+    with ca_runtime.enable(backend, capture_after=1):
         step(0)
         start = direct_calls()
         with torch.profiler.profile() as prof:

@@ -288,16 +288,16 @@ def test_the_choice_is_per_enable() -> None:
     model = make_mlp()
     step = mlp_step(model)
     compiler_fn = _slow_graph("eager")
-    with ca_runtime.enable(compiler_fn, eager_if_faster=False):
+    with ca_runtime.enable(compiler_fn, eager_if_faster=False, capture_after=1):
         for i in range(3):
             step(i)
     assert _entry().eager_if_faster_choice == "compiled" and ca_runtime.stats()["eager_if_faster_runs"] == 0
-    with ca_runtime.enable(compiler_fn, eager_if_faster=True):
+    with ca_runtime.enable(compiler_fn, eager_if_faster=True, capture_after=1):
         for i in range(STEPS - 1):  # the graph was captured and ran already
             step(i)
     stats = ca_runtime.stats()
     assert _entry().eager_if_faster_choice == "eager" and stats["eager_if_faster_runs"] == TIMED + 3, stats
-    with ca_runtime.enable(compiler_fn, eager_if_faster=False):
+    with ca_runtime.enable(compiler_fn, eager_if_faster=False, capture_after=1):
         step(STEPS)
     after = ca_runtime.stats()
     assert (
@@ -325,7 +325,7 @@ def test_the_schedule_alternates_and_times_again_later() -> None:
 
     current = [0]
     steps = 1 + WARMUP + 2 * TIMED + 500 + 2 * TIMED + 3
-    with ca_runtime.enable(compiler_fn, eager_if_faster=True):
+    with ca_runtime.enable(compiler_fn, eager_if_faster=True, capture_after=1):
         for i in range(steps):
             current[0] = i
             step(i)
@@ -370,7 +370,7 @@ def test_a_users_error_on_the_eager_engine_is_eagers_and_changes_nothing() -> No
 
     model[0].bias.register_hook(hook)
     compiler_fn = _slow_graph("eager")
-    with ca_runtime.enable(compiler_fn, eager_if_faster=True):
+    with ca_runtime.enable(compiler_fn, eager_if_faster=True, capture_after=1):
         for i in range(STEPS):
             step(i)
         assert _entry().eager_if_faster_choice == "eager"
@@ -417,7 +417,7 @@ def test_a_torch_compiled_regions_backward_is_not_timed_eagerly() -> None:
 
 def test_eager_if_faster_must_be_a_bool() -> None:
     with pytest.raises(TypeError, match="eager_if_faster must be a bool, got int"):
-        ca_runtime.enable("eager", eager_if_faster=1)  # type: ignore[arg-type]
+        ca_runtime.enable("eager", eager_if_faster=1, capture_after=1)  # type: ignore[arg-type]
 
 
 def test_the_default_runs_compiled_and_times_nothing() -> None:
@@ -444,7 +444,7 @@ def test_deterministic_algorithms_turn_the_timing_off_with_one_warning() -> None
     try:
         with (
             pytest.warns(RuntimeWarning, match="use_deterministic_algorithms") as caught,
-            ca_runtime.enable(_slow_graph("eager"), eager_if_faster=True),
+            ca_runtime.enable(_slow_graph("eager"), eager_if_faster=True, capture_after=1),
         ):
             for i in range(STEPS):
                 step(i)
@@ -471,7 +471,7 @@ def test_a_graph_on_an_asynchronous_device_is_not_timed() -> None:
         ca_runtime.reset()
         x = torch.randn(8, 8, device=device, requires_grad=True)
         w = torch.randn(8, 8, device=device, requires_grad=True)
-        with ca_runtime.enable(compiler_fn, eager_if_faster=True):
+        with ca_runtime.enable(compiler_fn, eager_if_faster=True, capture_after=1):
             for _ in range(STEPS):
                 x.grad = w.grad = None
                 ((x @ w).tanh() * 2).sum().backward()

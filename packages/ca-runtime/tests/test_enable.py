@@ -175,7 +175,7 @@ def test_two_threads_enter_and_leave_in_any_order(backend: str) -> None:
     grads: dict[int, torch.Tensor] = {}
 
     def worker(k: int) -> None:
-        with ca_runtime.enable(backend) as runtime:
+        with ca_runtime.enable(backend, capture_after=1) as runtime:
             seen[k] = runtime
             entered[k].set()
             leave[k].wait(10)
@@ -210,7 +210,7 @@ def test_exception_inside_context_restores_prior_hook() -> None:
 def test_leaving_enable_restores_eager_and_reset_empties_cache(backend: str) -> None:
     model = make_mlp()
     step = mlp_step(model)
-    with ca_runtime.enable(backend):
+    with ca_runtime.enable(backend, capture_after=1):
         step(0)
     assert ca_runtime.cache_info()
     before = ca_runtime.stats()
@@ -225,7 +225,7 @@ def test_torch_dynamo_reset_inside_enable_keeps_our_hook(backend: str) -> None:
     """torch._dynamo.reset() empties the engine's compiled-autograd slot; see [Note: torch clears the engine slot]."""
     model = make_mlp()
     step = mlp_step(model)
-    with ca_runtime.enable(backend):
+    with ca_runtime.enable(backend, capture_after=1):
         step(0)
         torch._dynamo.reset()
         step(1)
@@ -297,7 +297,7 @@ def test_torch_builtin_hook_is_restored_after_ours() -> None:
     torch_ca = torch._dynamo.compiled_autograd
     counters = torch._dynamo.utils.counters["compiled_autograd"]
     with torch_ca._enable(lambda gm: torch.compile(gm, backend="eager")):
-        with ca_runtime.enable("eager"):
+        with ca_runtime.enable("eager", capture_after=1):
             step(0)
         assert ca_runtime.stats()["captures"] == 1
         before = counters["captures"]
@@ -482,7 +482,7 @@ def test_hook_and_cache_are_released_at_exit() -> None:
         atexit.register(lambda: print("at exit:", ca_core.installed_runtime() is None, sum(n.has_graph for n in ca_core.cache_tree())))
         import ca_runtime, torch
         x = torch.randn(3, requires_grad=True)
-        context = ca_runtime.enable("eager")
+        context = ca_runtime.enable("eager", capture_after=1)
         context.__enter__()  # left installed on purpose
         (x * x).sum().backward()
         print("before exit:", ca_core.installed_runtime() is None, sum(n.has_graph for n in ca_core.cache_tree()))
@@ -497,7 +497,7 @@ def test_hook_and_cache_are_released_at_exit() -> None:
 
 
 def test_one_context_entered_twice_is_refused_and_leaks_nothing() -> None:
-    ctx = ca_runtime.enable("eager")
+    ctx = ca_runtime.enable("eager", capture_after=1)
     with ctx, pytest.raises(RuntimeError, match="already open"), ctx:
         pass
     assert ca_core.installed_runtime() is None

@@ -277,7 +277,7 @@ def test_raising_hook_propagates_and_next_backward_works(backend: str) -> None:
     assert result.stats["eager_fallbacks"] == 0
 
     x = torch.randn(3, requires_grad=True)
-    with ca_runtime.enable(backend) as runtime:
+    with ca_runtime.enable(backend, capture_after=1) as runtime:
         raise_now["flag"] = True
         y = x * 2
         y.register_hook(hook)
@@ -292,7 +292,7 @@ def test_raising_hook_on_first_run_is_not_a_compile_failure(backend: str) -> Non
     def boom(grad: torch.Tensor) -> None:
         raise KeyError("first-run hook failure")
 
-    with ca_runtime.enable(backend):
+    with ca_runtime.enable(backend, capture_after=1):
         y = x * 2
         y.register_hook(boom)
         with pytest.raises(KeyError, match="first-run hook failure"):
@@ -306,7 +306,7 @@ def test_graph_breaks_are_counted_and_warned_once(backend: str) -> None:
     x = torch.randn(3, requires_grad=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with ca_runtime.enable(backend):
+        with ca_runtime.enable(backend, capture_after=1):
             for i in range(3):
                 y = x * (2 + i)  # a new scalar each step: three captures, one break each
                 y.retain_grad()
@@ -929,7 +929,7 @@ def test_a_hook_that_removes_itself_is_no_change(backend: str) -> None:
 
 def test_a_hook_change_warned_as_an_error_still_sends_the_graph_to_eager(backend: str) -> None:
     """A warnings filter that makes the warning an error: the user sees it, and the graph is still never captured."""
-    with ca_runtime.enable(backend):
+    with ca_runtime.enable(backend, capture_after=1):
         ca_runtime.reset()
         with warnings.catch_warnings():
             warnings.simplefilter("error", ca_runtime.EagerFallbackWarning)

@@ -160,7 +160,7 @@ def test_a_tied_heads_backward_with_inductor_frees_the_logits_grad_early(
     def ours_peak() -> int:
         ca_runtime.reset()
         torch._dynamo.reset()
-        with ca_runtime.enable(compiler, eager_if_faster=False):
+        with ca_runtime.enable(compiler, eager_if_faster=False, capture_after=1):
             for _ in range(2):
                 forward().backward()
             peak, _ = backward_tensor_peak_bytes(forward)
@@ -405,7 +405,7 @@ def test_a_decoders_peak_stays_at_eagers_with_our_reuse_and_not_with_inductors_o
         assert result.stats["captures"] == 1 and result.stats["cache_hits"] >= 1, result.stats
         assert result.stats["eager_fallbacks"] == 0 and result.stats["graph_breaks"] == 0, result.stats
         hits = ca_runtime.stats()["cache_hits"]
-        with ca_runtime.enable(compiler):
+        with ca_runtime.enable(compiler, capture_after=1):
             found, _ = backward_tensor_peak_bytes(forward)
         assert ca_runtime.stats()["cache_hits"] == hits + 1, ca_runtime.stats()
         return found

@@ -74,7 +74,7 @@ def test_no_node_run_plan_or_graph_source_outlives_reset(backend: str) -> None:
             y = (y * 1.01).sin()
         return y.sum()
 
-    with ca_runtime.enable(lambda gm: gm):
+    with ca_runtime.enable(lambda gm: gm, capture_after=1):
         chain().backward()
     ca_runtime.reset()
     import gc
@@ -82,7 +82,7 @@ def test_no_node_run_plan_or_graph_source_outlives_reset(backend: str) -> None:
     gc.collect()
     plans, sources = ca_core.live_node_run_plans(), len(_loader.eval_cache)
     for _ in range(3):
-        with ca_runtime.enable(lambda gm: gm):
+        with ca_runtime.enable(lambda gm: gm, capture_after=1):
             chain().backward()
         assert ca_core.live_node_run_plans() > plans  # the capture fused runs of nodes
         ca_runtime.reset()
@@ -133,7 +133,7 @@ def test_no_dynamo_guard_set_or_cache_entry_outlives_reset(backend: str) -> None
         if i == 1:  # after one capture: what torch makes once per process is there
             envs, backends_before, sources = shape_envs(), backends(), len(_loader.eval_cache)
             stacks = len(get_metrics_context()._edits)
-        with ca_runtime.enable(compiler):
+        with ca_runtime.enable(compiler, capture_after=1):
             y = x
             for _ in range(10):
                 y = (y * 1.01).sin()
@@ -184,7 +184,7 @@ def test_a_fallback_is_reported_to_the_backwards_own_runtime_after_enable_exits(
         grads.append(x.grad)
 
     t = threading.Thread(target=worker)
-    with ca_runtime.enable(failing_compiler):
+    with ca_runtime.enable(failing_compiler, capture_after=1):
         t.start()
         started.wait()
     t.join()

@@ -53,14 +53,17 @@ def test_a_compiled_callable_that_returns_the_wrong_thing_falls_back_saying_what
 def test_a_compiler_fn_that_returns_none_names_itself() -> None:
     lin = torch.nn.Linear(3, 2)
     said = r"compiler_fn test_a_compiler_fn_that_returns_none_names_itself.<locals>.<lambda> \(.*\) returned None"
-    with pytest.warns(ca_runtime.EagerFallbackWarning, match=said), ca_runtime.enable(lambda gm: None):
+    with (
+        pytest.warns(ca_runtime.EagerFallbackWarning, match=said),
+        ca_runtime.enable(lambda gm: None, capture_after=1),
+    ):
         lin(torch.randn(4, 3)).sum().backward()
     assert ca_runtime.stats()["eager_fallbacks"] == 1
 
 
 def test_graph_break_warning_names_the_users_line(cpp_ext: Any) -> None:
     x = torch.randn(3, requires_grad=True)
-    with warnings.catch_warnings(record=True) as caught, ca_runtime.enable("eager"):
+    with warnings.catch_warnings(record=True) as caught, ca_runtime.enable("eager", capture_after=1):
         warnings.simplefilter("always")
         cpp_ext.writes_through_data_ptr(x * 1.5).sum().backward()
     breaks = [w for w in caught if issubclass(w.category, ca_runtime.GraphBreakWarning)]

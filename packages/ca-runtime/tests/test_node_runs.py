@@ -149,7 +149,7 @@ def test_backward_twice_after_put_back_raises_eagers_error(python_compiler: str 
         return str(error.value).splitlines()[0]
 
     eager_error = twice()
-    with ca_runtime.enable(compiler_fn):
+    with ca_runtime.enable(compiler_fn, capture_after=1):
         twice()  # the capture
         ca_core.reset_counters()
         ours = twice()  # a hit: the nodes' saved tensors were freed, put back and freed again

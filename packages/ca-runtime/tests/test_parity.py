@@ -29,7 +29,7 @@ def test_each_compiler_has_its_own_cache() -> None:
     x = torch.randn(4, 3)
     lin(x).sum().backward()  # .grad defined from here on: one key path throughout
     for compiler in (compiler_a, compiler_b, compiler_a, "eager", "eager"):
-        with ca_runtime.enable(compiler):
+        with ca_runtime.enable(compiler, capture_after=1):
             lin.zero_grad(set_to_none=False)
             lin(x).sum().backward()
     assert calls == ["a", "b"]  # the second compiler_a backward is a hit
@@ -56,9 +56,9 @@ def test_aot_eager_then_inductor_compiles_with_inductor() -> None:
     for backend in ("aot_eager", "inductor"):
         result = compare(step, backend, tensors=model, steps=1)
         result.assert_ok()
-    with ca_runtime.enable("aot_eager"):
+    with ca_runtime.enable("aot_eager", capture_after=1):
         step()
-    with ca_runtime.enable("inductor"):
+    with ca_runtime.enable("inductor", capture_after=1):
         step()
     compilers = {e.compiler for e in ca_runtime.cache_info()}
     assert compilers == {"backend:aot_eager", "backend:inductor"}
@@ -146,7 +146,7 @@ def test_user_error_raises_eagers_error_and_changes_nothing(backend: str, mistak
         eager_error = _error_of(lambda: step(torch.randn(3, requires_grad=True), True))
     with warnings.catch_warnings():
         warnings.simplefilter("error", ca_runtime.EagerFallbackWarning)
-        with ca_runtime.enable(backend):
+        with ca_runtime.enable(backend, capture_after=1):
             assert _error_of(lambda: step(torch.randn(3, requires_grad=True), True)) == eager_error
             after_error = ca_runtime.stats()
             # The same program without the mistake: captured or served, never eager.
@@ -163,7 +163,7 @@ def test_failed_entries_show_their_reason_and_can_be_retried() -> None:
         raise RuntimeError("this compiler is broken today")
 
     x = torch.randn(3, requires_grad=True)
-    with pytest.warns(ca_runtime.EagerFallbackWarning), ca_runtime.enable(broken):
+    with pytest.warns(ca_runtime.EagerFallbackWarning), ca_runtime.enable(broken, capture_after=1):
         (x * 2).sum().backward()
     (entry,) = ca_runtime.cache_info()
     assert entry.failed and "this compiler is broken today" in entry.failure, entry
@@ -187,7 +187,7 @@ def test_anomaly_mode_raises_eagers_error_naming_the_node(backend: str) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # detect_anomaly's own notice and traceback
         warnings.simplefilter("error", ca_runtime.EagerFallbackWarning)
-        with ca_runtime.enable(backend):
+        with ca_runtime.enable(backend, capture_after=1):
             with torch.autograd.detect_anomaly():
                 assert _error_of(_nan_backward) == eager_error
             assert ca_runtime.stats()["eager_fallbacks"] == 1
@@ -222,7 +222,7 @@ def test_a_warning_from_the_backward_reaches_the_user_once_per_backward(backend:
 
     with ca_runtime.disable():
         eager = three_steps()
-    with ca_runtime.enable(backend):
+    with ca_runtime.enable(backend, capture_after=1):
         ours = three_steps()
     assert ours == eager == ["backward of _WarnsInBackward says hi"] * 3
     stats = ca_runtime.stats()
@@ -267,7 +267,7 @@ def _saved_after_backward(retain_graph: bool) -> list[str]:
 def test_saved_tensors_are_freed_as_eager_frees_them(backend: str, retain_graph: bool) -> None:
     with ca_runtime.disable():
         eager = _saved_after_backward(retain_graph)
-    with ca_runtime.enable(backend):
+    with ca_runtime.enable(backend, capture_after=1):
         ours = [_saved_after_backward(retain_graph) for _ in range(2)]
     assert ours == [eager, eager]
     assert all(s.endswith("alive") for s in eager) == retain_graph
@@ -284,7 +284,7 @@ def test_linalg_lstsq_complex_grad_equals_eager(backend: str) -> None:
     ref = None
     for compiled in (False, True):
         x, y = a.clone().requires_grad_(), b.clone().requires_grad_()
-        ctx = ca_runtime.enable(backend) if compiled else contextlib.nullcontext()
+        ctx = ca_runtime.enable(backend, capture_after=1) if compiled else contextlib.nullcontext()
         with ctx:
             out = torch.linalg.lstsq(x, y, driver="gels").solution
             (out.real.sum() + out.imag.sum()).backward()

@@ -94,7 +94,7 @@ def test_torch_logs_compiled_autograd_shows_ca_logs(setting: str, shows_code: bo
     program = (
         "import torch, ca_runtime\n"
         "x = torch.randn(3, requires_grad=True)\n"
-        "with ca_runtime.enable('eager'):\n"
+        "with ca_runtime.enable('eager', capture_after=1):\n"
         "    (x * 2).sum().backward()\n"
         "    x.sin().sum().backward()\n"
     )

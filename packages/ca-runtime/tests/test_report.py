@@ -63,7 +63,7 @@ def _node(capture, name: str):
 def test_captures_breaks_and_dynamic_sizes_are_recorded(backend: str) -> None:
     ca_runtime.reset()
     model = _model()
-    with ca_runtime.enable(backend):
+    with ca_runtime.enable(backend, capture_after=1):
         for batch in (4, 8, 16):  # static capture, dynamic capture, hit
             _step(model, batch)
     data = build_report_data()
@@ -122,7 +122,7 @@ def _scale_hook(grad: torch.Tensor) -> torch.Tensor:
 def test_functions_and_hooks_are_marked() -> None:
     ca_runtime.reset()
     x = torch.randn(3, requires_grad=True)
-    with ca_runtime.enable("eager"):
+    with ca_runtime.enable("eager", capture_after=1):
         y = _Doubled.apply(x * 1.5)
         y.register_hook(_scale_hook)
         y.sum().backward()
@@ -145,7 +145,7 @@ def test_compiler_fn_failure_is_a_recorded_fallback() -> None:
         raise RuntimeError("this compiler is broken today")
 
     x = torch.randn(3, requires_grad=True)
-    with pytest.warns(ca_runtime.EagerFallbackWarning), ca_runtime.enable(broken):
+    with pytest.warns(ca_runtime.EagerFallbackWarning), ca_runtime.enable(broken, capture_after=1):
         (x * 2).sum().backward()
     data = build_report_data()
     (capture,) = data.captures
@@ -181,7 +181,7 @@ def test_first_run_failure_is_a_recorded_fallback() -> None:
         return torch.compile(gm, backend=refusing_backend)
 
     x = torch.randn(3, requires_grad=True)
-    with pytest.warns(ca_runtime.EagerFallbackWarning), ca_runtime.enable(compile_lazily):
+    with pytest.warns(ca_runtime.EagerFallbackWarning), ca_runtime.enable(compile_lazily, capture_after=1):
         (x * 2).sum().backward()
     data = build_report_data()
     (capture,) = data.captures
@@ -201,7 +201,7 @@ def test_unsupported_capture_marks_the_failing_node(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(_runtime, "build_graph_module", refuse)
     ca_runtime.reset()
     x = torch.randn(3, requires_grad=True)
-    with pytest.warns(ca_runtime.EagerFallbackWarning), ca_runtime.enable("eager"):
+    with pytest.warns(ca_runtime.EagerFallbackWarning), ca_runtime.enable("eager", capture_after=1):
         (x * 2).sum().backward()
     data = build_report_data()
     (capture,) = data.captures
@@ -214,7 +214,7 @@ def test_unsupported_capture_marks_the_failing_node(monkeypatch: pytest.MonkeyPa
 def test_cache_hits_record_nothing() -> None:
     ca_runtime.reset()
     model = _model()
-    with ca_runtime.enable("eager"):
+    with ca_runtime.enable("eager", capture_after=1):
         _step(model, 4, retain=False)
         before = RECORDER.snapshot()
         for _ in range(3):
@@ -232,7 +232,7 @@ def test_reset_forgets_records_and_timings() -> None:
     ca_runtime.collect_timings()
     try:
         model = _model()
-        with ca_runtime.enable("eager"):
+        with ca_runtime.enable("eager", capture_after=1):
             _step(model, 4, retain=False)
             _step(model, 4, retain=False)
         timings = build_report_data().timings
@@ -265,7 +265,7 @@ def test_records_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(records, "REPORT_LIMIT", 3)
     ca_runtime.reset()  # a new log, bounded at 3
-    with ca_runtime.enable("eager"):
+    with ca_runtime.enable("eager", capture_after=1):
         for n in range(5):  # five distinct graphs: chains of 1..5 muls
             y = torch.randn(2, requires_grad=True)
             for _ in range(n + 1):
@@ -303,7 +303,7 @@ def test_miss_categories_drop_numbers() -> None:
 def _recorded_run(backend: str = "eager") -> ReportData:
     ca_runtime.reset()
     model = _model()
-    with ca_runtime.enable(backend):
+    with ca_runtime.enable(backend, capture_after=1):
         for batch in (4, 8):
             _step(model, batch)
     return build_report_data()
@@ -393,12 +393,12 @@ def test_user_strings_are_escaped() -> None:
         raise RuntimeError(f"compiler says {XSS_MESSAGE} and {XSS_NAME}")
 
     x = torch.randn(3, requires_grad=True)
-    with ca_runtime.enable("eager"):
+    with ca_runtime.enable("eager", capture_after=1):
         y = payload_function.apply(x)
         y.retain_grad()  # a graph break at the Function's node, named after it
         y.register_hook(hook)
         (y * 3).sum().backward()
-    with pytest.warns(ca_runtime.EagerFallbackWarning), ca_runtime.enable(broken):
+    with pytest.warns(ca_runtime.EagerFallbackWarning), ca_runtime.enable(broken, capture_after=1):
         (x * 5).sum().backward()
     data = build_report_data()
     assert data.captures[0].breaks[0].node_name == XSS_NAME + "Backward"
@@ -596,7 +596,7 @@ _TRAIN_SCRIPT = textwrap.dedent(
     import ca_runtime, torch
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
-    with ca_runtime.enable("eager"):
+    with ca_runtime.enable("eager", capture_after=1):
         for batch in (4, 4, 8, 8):
             model(torch.randn(batch, 4)).sum().backward()
     print("stats", ca_runtime.stats())
@@ -657,7 +657,7 @@ def test_stage_times_show_first_runs_apart_from_cache_hits(tmp_path: Path) -> No
     model = _model()
     ca_runtime.collect_timings()
     try:
-        with ca_runtime.enable("eager", eager_if_faster=False):
+        with ca_runtime.enable("eager", eager_if_faster=False, capture_after=1):
             for _ in range(4):
                 model(torch.randn(4, 4)).sum().backward()
     finally:
@@ -671,7 +671,7 @@ def test_stage_times_show_first_runs_apart_from_cache_hits(tmp_path: Path) -> No
 def test_cache_tree_siblings_of_one_name_say_how_they_differ(tmp_path: Path) -> None:
     """A leaf's AccumulateGrad with .grad None and with .grad defined: two branches, told apart in words."""
     lin = torch.nn.Linear(3, 2)
-    with ca_runtime.enable("eager"):
+    with ca_runtime.enable("eager", capture_after=1):
         lin(torch.randn(2, 3)).sum().backward()  # .grad None
         lin(torch.randn(2, 3)).sum().backward()  # .grad defined
     assert ca_runtime.stats()["captures"] == 2

@@ -37,7 +37,7 @@ def train_with_break_fallback_and_dynamic_sizes() -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with ca_runtime.enable("aot_eager"):
+    with ca_runtime.enable("aot_eager", capture_after=1):
         for batch in (4, 4, 8, 16, 8):
             hidden = model[1](model[0](torch.randn(batch, 8)))
             hidden.retain_grad()
@@ -50,7 +50,7 @@ def train_with_break_fallback_and_dynamic_sizes() -> None:
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ca_runtime.EagerFallbackWarning)
-        with ca_runtime.enable(broken_compiler):
+        with ca_runtime.enable(broken_compiler, capture_after=1):
             model(torch.randn(2, 8)).sum().backward()
 
 

@@ -114,7 +114,7 @@ def test_ca_wrap_runs_every_test_twice_and_reports_differences(pytester: pytest.
     result.stdout.fnmatch_lines(
         [
             "*ca-wrap (eager)*",
-            "1 of 4 tests behave differently under ca_runtime.enable('eager')",
+            "1 of 4 tests behave differently under ca_runtime.enable('eager', capture_after=1)",
             "*test_sees_ca: value mismatch; eager passed; ca failed (AssertionError: captured*; captures 1, eager fallbacks 0",
         ]
     )
@@ -154,7 +154,9 @@ def test_ca_wrap_under_xdist(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(_SUITE)
     result = pytester.runpytest_subprocess("--ca-wrap", "-n", "2", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=7, failed=1)
-    result.stdout.fnmatch_lines(["1 of 4 tests behave differently under ca_runtime.enable('aot_eager')"])
+    result.stdout.fnmatch_lines(
+        ["1 of 4 tests behave differently under ca_runtime.enable('aot_eager', capture_after=1)"]
+    )
 
 
 _UNITTEST_SUITE = """
@@ -186,7 +188,7 @@ def test_ca_wrap_runs_unittest_methods_twice(pytester: pytest.Pytester) -> None:
     result.assert_outcomes(passed=3, failed=1)
     result.stdout.fnmatch_lines(
         [
-            "1 of 2 tests behave differently under ca_runtime.enable('eager')",
+            "1 of 2 tests behave differently under ca_runtime.enable('eager', capture_after=1)",
             "*Grads::test_sees_ca: value mismatch; eager passed; ca failed (AssertionError*; captures *, eager fallbacks 0",
         ]
     )

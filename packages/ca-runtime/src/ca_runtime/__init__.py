@@ -1,7 +1,8 @@
 """ca_runtime: compiled autograd for stock torch.
 
-Inside ``enable(compiler_fn)``, ``loss.backward()`` is captured once into an FX
-graph, compiled with ``compiler_fn`` and served from a cache on later steps;
+Inside ``enable(compiler_fn)``, ``loss.backward()`` is captured once (when its
+graph comes back: ``capture_after``) into an FX graph, compiled with
+``compiler_fn`` and served from a cache on later steps;
 what cannot be compiled runs on the eager engine with one warning.
 
 [Note: How a backward flows through ca_runtime]

@@ -99,8 +99,8 @@ COUNTERS: tuple[Counter, ...] = (
     ),
     Counter(
         "deferred_captures",
-        "backwards run on the eager engine before their graph is captured: the first ones under "
-        "enable(capture_after=N), the first of a graph whose hooks name a hook registration or removal, "
+        "backwards run on the eager engine before their graph is captured: the first N - 1 under "
+        "enable(capture_after=N) (by default the first of each graph), the first of a graph whose hooks name a hook registration or removal, "
         "and those gradcheck and gradgradcheck run",
         _core("deferred_captures"),
     ),

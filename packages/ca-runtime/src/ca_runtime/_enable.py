@@ -94,8 +94,13 @@ def _valid_backends() -> list[str]:
 #: Backend names found valid before: ``enable("inductor")`` around every
 #: backward checks its name once, not once a step (torch's list_backends
 #: costs about half of an enable()'s 22 µs). Backends only get registered, so
-#: a name once valid stays valid; an unknown name reads the list again.
-_BACKENDS_FOUND_VALID: set[str] = set()
+#: a name once valid stays valid; an unknown name reads the list again. It
+#: starts with the backends that torch (pinned at 2.13) registers itself: the
+#: first list_backends imports every backend module (AOTAutograd, Inductor's
+#: code cache, networkx: about 0.4 s), which a program whose backwards all run
+#: before their capture (``capture_after``) never needs; a capture imports what
+#: its backend needs when it compiles.
+_BACKENDS_FOUND_VALID: set[str] = {"eager", "aot_eager", "inductor"}
 
 
 @functools.cache
@@ -200,7 +205,7 @@ class _EnableContext(_HookContext):
         compiler_fn: CompilerFn | str,
         compile_in_background: bool = False,
         eager_if_faster: bool = False,
-        capture_after: int = 1,
+        capture_after: int = 2,
     ) -> None:
         if not isinstance(eager_if_faster, bool):
             raise TypeError(f"eager_if_faster must be a bool, got {type(eager_if_faster).__name__}")
@@ -280,7 +285,7 @@ def enable(
     *,
     compile_in_background: bool = False,
     eager_if_faster: bool = False,
-    capture_after: int = 1,
+    capture_after: int = 2,
 ) -> _EnableContext:
     """Compiles every ``backward()``/``autograd.grad`` inside the context.
 
@@ -297,9 +302,9 @@ def enable(
     graph is timed against the eager engine over a few of its cache hits,
     and its backwards run on the eager engine if that was faster (timed
     again later; see [Note: Eager if faster] in ca_core and
-    ``cache_info()``). With ``capture_after=N`` a graph is captured on its
-    N-th backward and the ones before run on the eager engine, for programs
-    whose backwards mostly run once; backwards run by
+    ``cache_info()``). A graph is captured on its ``capture_after``-th
+    backward (default 2: the first runs on the eager engine, so a backward
+    that runs once is never compiled; 1 captures at once); backwards run by
     ``torch.autograd.gradcheck``/``gradgradcheck`` are never captured (see
     [Note: Which captures wait]). Use it as ``with
     enable(...) as runtime:``; on exit, by return or by exception, the engine
@@ -325,8 +330,11 @@ def replace_torch() -> Iterator[None]:
     ``torch._dynamo.config.compiled_autograd = True`` around ``torch.compile``,
     or with ``torch._dynamo.compiled_autograd._enable(compiler_fn)``. Inside
     ``with ca_runtime.replace_torch():`` both run on ca instead: torch's
-    ``_enable`` is replaced by one that enters ``enable(compiler_fn)`` (its
-    ``dynamic`` argument is ignored: ca decides dynamic sizes itself), so the
+    ``_enable`` is replaced by one that enters ``enable(compiler_fn,
+    capture_after=1)`` (its ``dynamic`` argument is ignored: ca decides
+    dynamic sizes itself; the first backward is captured, as torch's
+    compiled autograd captures it, since code written for it may count on
+    that), so the
     config path's context, made anew on every call of the compiled function,
     finds one cache (see [Note: Compilers made anew]). On exit torch's own
     ``_enable`` is back. It changes nothing that does not go through those
@@ -334,7 +342,7 @@ def replace_torch() -> Iterator[None]:
     ``_log.py``).
     """
     keep_hook_across_torch_disable()
-    with routed_torch_compiled_autograd(enable):
+    with routed_torch_compiled_autograd(functools.partial(enable, capture_after=1)):
         yield
 
 

@@ -546,7 +546,7 @@ class Runtime:
         self.eager_if_faster = False
         #: A key path is captured on its capture_after-th backward (``enable(capture_after=)``);
         #: see [Note: Which captures wait].
-        self.capture_after = 1
+        self.capture_after = 2
         #: Per thread: the report record of the capture whose first run is due
         #: (``pending``) or failed (``failed_first_run``); see _report/records.py.
         self._records = threading.local()
@@ -562,11 +562,15 @@ class Runtime:
         program:
 
         - ``enable(capture_after=N)``: a key path is captured on its N-th
-          backward; the N - 1 before run eagerly. The default, 1, captures at
-          once. 2 suits programs whose backwards mostly run once (an
-          evaluation script, a notebook): a graph that comes back is captured
-          the second time, so a training loop pays one eager step per graph
-          (the capture is paid once either way).
+          backward; the N - 1 before run eagerly. The default, 2, serves
+          programs whose backwards mostly run once (gradcheck over a
+          routine, an evaluation script, a notebook trying models) without
+          slowing a loop: a graph that comes back is captured the second
+          time, so a training loop pays one eager step per graph (the
+          capture is paid once either way), and a backward that never comes
+          back costs what eager's does. 1 captures at once (ca_testkit's
+          differential runs do; see [Note: Differential runs capture at
+          once] in ca_testkit).
         - A sighting whose sizes changed since the one before (ca_core's
           [Note: Sightings whose sizes changed]; only with N >= 2, as the
           first backward has none before it) does not count toward N: the

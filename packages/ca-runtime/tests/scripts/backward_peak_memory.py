@@ -61,7 +61,7 @@ def main() -> None:
     compiler_fn = slowed_compiler(sys.argv[1], 0.25) if eager_if_faster else sys.argv[1]
     contexts = {
         "eager": contextlib.nullcontext,
-        "ca": lambda: ca_runtime.enable(compiler_fn, eager_if_faster=eager_if_faster),
+        "ca": lambda: ca_runtime.enable(compiler_fn, eager_if_faster=eager_if_faster, capture_after=1),
     }
     stance_step = 2 if sys.argv[2:] == ["stance"] else -1
     # eager-if-faster: a first run, 4 untimed hits, 8 timed backwards each way,

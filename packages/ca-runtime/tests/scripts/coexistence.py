@@ -39,7 +39,7 @@ def main(order: str, backend: str) -> int:
             with torch_ca._enable(lambda gm: torch.compile(gm, backend=backend)):
                 loss_fn().backward()
         elif impl == "ours":
-            with ca_runtime.enable(backend):
+            with ca_runtime.enable(backend, capture_after=1):
                 loss_fn().backward()
         else:
             loss_fn().backward()

@@ -35,7 +35,7 @@ class SelfKeepingCompiler:
 def reset_kills_the_compiler() -> None:
     """issue 34's first program: reset() drops the graphs, the compiler dies, its cache is dropped."""
     m = torch.nn.Linear(4, 4)
-    with ca_runtime.enable(SelfKeepingCompiler()):
+    with ca_runtime.enable(SelfKeepingCompiler(), capture_after=1):
         m(torch.randn(2, 4)).sum().backward()
     captured = ca_runtime.stats()["captures"] - ca_runtime.stats()["eager_fallbacks"]
     ca_runtime.reset()
@@ -45,7 +45,7 @@ def reset_kills_the_compiler() -> None:
 def compiler_cached_at_exit() -> None:
     """A compiler kept alive by its own graphs until the interpreter exits."""
     m = torch.nn.Linear(4, 4)
-    with ca_runtime.enable(SelfKeepingCompiler()):
+    with ca_runtime.enable(SelfKeepingCompiler(), capture_after=1):
         m(torch.randn(2, 4)).sum().backward()
         m.zero_grad()
         m(torch.randn(2, 4)).sum().backward()
@@ -61,7 +61,7 @@ def reset_inside_a_backward() -> None:
         gc.collect()
         return g
 
-    with ca_runtime.enable(SelfKeepingCompiler()):
+    with ca_runtime.enable(SelfKeepingCompiler(), capture_after=1):
         for _ in range(3):
             y = x * 2
             y.register_hook(hook)
@@ -88,7 +88,7 @@ def exit_while_another_thread_backwards() -> None:
         grads.append(x.grad.tolist())
 
     t = threading.Thread(target=worker)
-    with ca_runtime.enable(lambda gm: gm):
+    with ca_runtime.enable(lambda gm: gm, capture_after=1):
         t.start()
         in_hook.wait()
     t.join()
@@ -113,7 +113,7 @@ def exit_during_a_slow_compile() -> None:
         grads.append(x.grad.tolist())
 
     t = threading.Thread(target=worker)
-    with ca_runtime.enable(slow_compiler):
+    with ca_runtime.enable(slow_compiler, capture_after=1):
         t.start()
         compiling.wait()
     del slow_compiler
@@ -139,12 +139,12 @@ def compilers_made_and_dropped(cycles: int) -> None:
             errors.append(e)
 
     threads = [threading.Thread(target=backwards, args=(i,)) for i in range(2)]
-    with ca_runtime.enable("eager"):
+    with ca_runtime.enable("eager", capture_after=1):
         for t in threads:
             t.start()
         for i in range(cycles):
             compiler = SelfKeepingCompiler() if i % 3 == 0 else (lambda gm: gm)
-            with ca_runtime.enable(compiler):
+            with ca_runtime.enable(compiler, capture_after=1):
                 torch.nn.Linear(3, 3)(torch.randn(1, 3)).sum().backward()
             del compiler
             if i % 7 == 0:

@@ -4,7 +4,8 @@ Eager autograd is the oracle. The step runs ``steps`` times on the eager
 engine (inside ``ca_runtime.disable()``), the values and ``.grad`` fields of
 ``tensors`` are put back as they were (a step may update parameters, e.g. an
 optimizer in a post-accumulate-grad hook), then it runs ``steps`` times inside
-``ca_runtime.enable(compiler_fn)``. Returned values (any pytree of tensors)
+``ca_runtime.enable(compiler_fn, capture_after=1)`` (see [Note: Differential
+runs capture at once] in ca_testkit.implementations). Returned values (any pytree of tensors)
 and ``.grad`` fields after each step are compared pairwise.
 
 [Note: A float64 reference for rounding backends]
@@ -239,7 +240,7 @@ def compare(
 ) -> Comparison:
     """Runs ``step`` eagerly and under compiled autograd ``impl``; compares.
 
-    ``impl`` is ``"ca"`` (``ca_runtime.enable(compiler_fn)``) or ``"torch"``
+    ``impl`` is ``"ca"`` (``ca_runtime.enable(compiler_fn, capture_after=1)``) or ``"torch"``
     (torch's built-in compiled autograd); see ``ca_testkit.implementations``.
 
     ``step`` is called as ``step(i)`` (or ``step()``) for ``i in range(steps)``;

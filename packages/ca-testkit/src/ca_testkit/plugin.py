@@ -41,7 +41,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         const="aot_eager",
         default=None,
         metavar="BACKEND",
-        help="run every test twice, as written and inside ca_runtime.enable(BACKEND) "
+        help="run every test twice, as written and inside ca_runtime.enable(BACKEND, capture_after=1) "
         "(default aot_eager), and report the tests whose outcome differs",
     )
     group.addoption(

@@ -1,7 +1,9 @@
 """``pytest --ca-wrap[=BACKEND]``: run a whole suite eagerly and under compiled autograd.
 
 Every pytest test function runs twice, as written (``[ca-wrap-eager]``) and
-with its body inside ``ca_runtime.enable(BACKEND)`` (``[ca-wrap-ca]``); the
+with its body inside ``ca_runtime.enable(BACKEND, capture_after=1)``
+(``[ca-wrap-ca]``: a test's first backward is captured, see [Note: Differential
+runs capture at once] in ca_testkit.implementations); the
 wrapping fixture is the innermost one, so the test's own fixtures are set up
 as usual. unittest.TestCase methods, which pytest does not parametrise, get
 a twin item (``[ca-wrap-ca]``) that runs the method (setUp and tearDown
@@ -98,7 +100,7 @@ def wrapped_run(request: pytest.FixtureRequest, backend: str) -> Iterator[None]:
 
     before = ca_runtime.stats()
     try:
-        with ca_runtime.enable(backend):
+        with ca_runtime.enable(backend, capture_after=1):  # see [Note: Differential runs capture at once]
             yield
     finally:
         after = ca_runtime.stats()
@@ -211,7 +213,7 @@ class WrapPlugin:
         pairs = sum(1 for by_mode in self.outcomes.values() if set(by_mode) == set(_MODES))
         terminalreporter.section(f"ca-wrap ({self.backend})")
         terminalreporter.write_line(
-            f"{len(differences)} of {pairs} tests behave differently under ca_runtime.enable({self.backend!r})"
+            f"{len(differences)} of {pairs} tests behave differently under ca_runtime.enable({self.backend!r}, capture_after=1)"
         )
         for d in differences:
             terminalreporter.write_line(
