@@ -19,9 +19,11 @@ pytestmark = pytest.mark.distributed
 _JOB = pathlib.Path(__file__).parent / "scripts" / "ddp_job.py"
 
 
-def _run_job(case: str, backend: str, steps: int = 4, timeout: float = 300) -> subprocess.CompletedProcess:
+def _run_job(
+    case: str, backend: str, steps: int = 4, timeout: float = 300, impl: str = "ca"
+) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, str(_JOB), case, backend, str(steps)],
+        [sys.executable, str(_JOB), case, backend, str(steps), impl],
         check=False,
         capture_output=True,
         text=True,
@@ -62,6 +64,28 @@ def test_grads_equal_eager_on_every_rank_and_backward_is_captured(case: str) -> 
         # the graph (see [Note: Leaves accumulated in the graph]); the C++
         # Reducer's runs after it.
         assert r["all_reduce_in_graph"] == (case == "python_reducer"), r
+
+
+#: case -> backwards deferred in 4 steps under enable()'s default
+#: (capture_after=2). DDP's first iteration builds a graph its later ones do
+#: not (the Reducer's first-iteration state): with capture_after=1 it is
+#: captured and compiled for nothing (2 captures, measured); the default runs
+#: it and the second step eagerly and captures the graph that comes back.
+_DEFERRED_BY_DEFAULT = {"cpp_reducer": 2, "python_reducer": 2, "fsdp2": 1}
+
+
+@pytest.mark.parametrize("case", list(_DEFERRED_BY_DEFAULT))
+def test_the_default_capture_after_defers_the_first_steps_and_captures_once(case: str) -> None:
+    proc = _run_job(case, "aot_eager", impl="ca-capture-after-2")
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    ranks = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert [r["rank"] for r in ranks] == [0, 1]
+    for r in ranks:
+        assert r["ok"], r["report"]
+        stats = r["stats"]
+        deferred = _DEFERRED_BY_DEFAULT[case]
+        assert (stats["deferred_captures"], stats["captures"]) == (deferred, 1), stats
+        assert stats["cache_hits"] == 4 - deferred - 1 and stats["eager_fallbacks"] == 0, stats
 
 
 def test_ddp_job_exits_cleanly_every_time() -> None:

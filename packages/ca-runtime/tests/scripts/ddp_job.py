@@ -1,6 +1,8 @@
 """A 2-rank gloo DDP or FSDP2 job compared with eager on every rank (ca_testkit.compare).
 
-Usage: python ddp_job.py CASE BACKEND [STEPS]. CASE is one of CASES. Prints
+Usage: python ddp_job.py CASE BACKEND [STEPS [IMPL]]. CASE is one of CASES;
+IMPL a ca_testkit implementation (default "ca", which captures the first
+backward; "ca-capture-after-2" is enable()'s default). Prints
 one JSON line per rank ({"rank", "ok", "stats", "report"}) and exits non-zero
 if any rank's grads differ from eager. Run in a fresh interpreter: ranks are
 spawned processes and the job must exit cleanly (see test_distributed.py).
@@ -75,7 +77,7 @@ CASES = {
 }
 
 
-def ddp_case(rank: int, world_size: int, case: str, backend: str, steps: int) -> dict:
+def ddp_case(rank: int, world_size: int, case: str, backend: str, steps: int, impl: str = "ca") -> dict:
     make, wrap, optimize_ddp, use_no_sync = CASES[case]
     if optimize_ddp is not None:
         torch._dynamo.config.optimize_ddp = optimize_ddp  # read when DDP wraps the model
@@ -103,7 +105,7 @@ def ddp_case(rank: int, world_size: int, case: str, backend: str, steps: int) ->
         return torch._dynamo.backends.registry.lookup_backend(backend)(gm, example_inputs)
 
     compiler = lambda gm: torch.compile(gm, backend=recording)
-    result = compare(step, compiler, tensors=getattr(model, "module", model), steps=steps)
+    result = compare(step, compiler, tensors=getattr(model, "module", model), steps=steps, impl=impl)
     return {
         "rank": rank,
         "ok": result.ok,
@@ -113,12 +115,12 @@ def ddp_case(rank: int, world_size: int, case: str, backend: str, steps: int) ->
     }
 
 
-def main(case: str, backend: str, steps: int) -> int:
-    results = run_ranks(ddp_case, case, backend, steps, world_size=2, timeout=300)
+def main(case: str, backend: str, steps: int, impl: str = "ca") -> int:
+    results = run_ranks(ddp_case, case, backend, steps, impl, world_size=2, timeout=300)
     for r in results:
         print(json.dumps(r))
     return 0 if all(r["ok"] for r in results) else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 4))
+    sys.exit(main(sys.argv[1], sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 4, *sys.argv[4:5]))
