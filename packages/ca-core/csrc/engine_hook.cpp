@@ -868,16 +868,30 @@ Which captures wait]. When the capture comes, choose_dynamic reads them as
 it reads a last capture's: what changed since the last sighting is dynamic
 from the first graph on, so a loop whose sizes change every step is
 captured once.
+
+[Note: A graph's changed sizes are not deferred]
+Only an entry without a graph defers. An entry with a graph reaches the
+capture step when its sizes differ from the graph's (lookup's miss): it is
+captured again at once with what changed dynamic, as torch.compile
+recompiles. Deferring there would also be wrong, not only slow: the
+deferral writes the backward's sizes into expected_sizes, which beside a
+graph are the sizes it was compiled for, so the next backward at the new
+sizes would hit a graph specialised to the old ones (a hook saw a 3-row
+grad in a 0-row backward; found by fuzzing enable()'s default).
 */
 
 /// Whether the runtime defers this backward's capture (it then runs eagerly);
 /// see [Note: Deferred captures].
 bool defers_capture(BackwardRun& run) {
+  const bool alive = run.entry_alive();
+  if (alive && run.entry->compiled_fn.is_valid()) {
+    // See [Note: A graph's changed sizes are not deferred].
+    return false;
+  }
   nb::object defer = nb::getattr(run.runtime, "defer_capture", nb::none());
   if (defer.is_none()) {
     return false;
   }
-  const bool alive = run.entry_alive();
   const uint32_t sightings = alive ? run.entry->sightings : 0;
   const bool sizes_changed = alive && sizes_changed_since_sighting(*run.entry, *run.state, run.args);
   if (!nb::cast<bool>(defer(sightings, run.args.hooks, sizes_changed))) {

@@ -161,6 +161,32 @@ def test_a_size_that_changes_then_comes_back_is_captured_on_its_return() -> None
         assert ca_runtime.stats()["cache_hits"] == 1
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_captured_graph_whose_sizes_change_is_captured_again_at_once(backend: str) -> None:
+    """Batches 3, 3, 5, 5, 3: the 5 is a recapture, never a deferral that would let the next 5 hit the 3's graph.
+
+    See [Note: A graph's changed sizes are not deferred] in ca_core: a
+    deferral there overwrote the sizes the graph was compiled for, and a
+    tensor hook then saw the old batch's grad shape.
+    """
+    batches = (3, 3, 5, 5, 3)
+
+    def step(i: int) -> Any:
+        gen = torch.Generator().manual_seed(i)
+        w = torch.randn(4, 2, generator=gen).requires_grad_()
+        seen: list[torch.Size] = []
+        h = torch.randn(batches[i], 4, generator=gen) @ w
+        h.register_hook(lambda g: seen.append(g.shape))
+        h.tanh().square().sum().backward()
+        return w.grad, torch.tensor(seen)
+
+    result = compare(step, backend, steps=len(batches), impl="ca-capture-after-2")
+    result.assert_ok()
+    stats = result.stats
+    assert (stats["deferred_captures"], stats["captures"], stats["cache_hits"]) == (1, 2, 2), stats
+    assert stats["eager_fallbacks"] == 0, stats
+
+
 def test_sizes_do_not_delay_capture_after_1() -> None:
     """capture_after=1 captures the first backward (no sighting to compare with), then misses on sizes as before."""
     ca_runtime.reset()

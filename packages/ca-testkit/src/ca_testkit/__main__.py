@@ -173,8 +173,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--impl",
         default="ca",
-        choices=["ca", "torch", "ca-background"],
-        help="ca-background: ours with Inductor compiling in the background (needs --backend inductor)",
+        choices=["ca", "torch", "ca-background", "ca-capture-after-2"],
+        help="ca-background: ours with Inductor compiling in the background (needs --backend inductor); "
+        "ca-capture-after-2: enable()'s default, each variant run twice (deferred, then captured)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(

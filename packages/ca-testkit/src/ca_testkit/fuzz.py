@@ -306,15 +306,16 @@ class Program:
             lines.append("#   lin has a full backward hook")
         return lines
 
-    def snippet(self, backend: str = "none") -> str:
-        """A script that replays this program eagerly and compiled, step by step."""
+    def snippet(self, backend: str = "none", impl: str = "ca") -> str:
+        """A script that replays this program eagerly and compiled (by ``impl``), step by step."""
+        impl_arg = "" if impl == "ca" else f", impl={impl!r}"
         return "\n".join(
             [
                 f"# ca_testkit fuzz reproduction, backend {backend!r}; the program:",
                 *self.listing(),
                 "from ca_testkit.fuzz import Program, Step, Variant, replay",
                 f"program = {self.literal()}",
-                f"replay(program, {backend!r})",
+                f"replay(program, {backend!r}{impl_arg})",
             ]
         )
 
@@ -585,6 +586,13 @@ def _runs_a_backward(program: Program, index: int) -> bool:
 EXACT_BACKENDS = ("none", "eager", "aot_eager")
 
 
+#: impl -> how many times in a row each variant of a program runs. Under
+#: ``ca-capture-after-2`` (``enable()``'s default) a variant's first backward
+#: runs on the eager engine: run once, a program would check nothing compiled,
+#: so each variant runs twice (deferred, then captured or a hit).
+RUNS_PER_VARIANT = {"ca-capture-after-2": 2}
+
+
 def check_program(
     program: Program, compiler_fn: Any, impl: str = "ca", float64_reference: bool = False
 ) -> Any:
@@ -598,7 +606,8 @@ def check_program(
     from ca_testkit.compare import TensorDiff, compare
 
     backward = any(_runs_a_backward(program, i) for i in range(len(program.variants)))
-    steps = len(program.variants)
+    runs = RUNS_PER_VARIANT.get(impl, 1)
+    steps = len(program.variants) * runs
 
     def step(i: int) -> Any:
         if impl == "ca-background" and i == steps // 2:
@@ -607,15 +616,15 @@ def check_program(
             import ca_runtime
 
             ca_runtime.wait_for_background_compiles()
-        return run_program(program, i)
+        return run_program(program, i // runs)
 
     def reference(i: int) -> Any:
-        return run_program(program, i, dtype=torch.float64)
+        return run_program(program, i // runs, dtype=torch.float64)
 
     result = compare(
         step,
         compiler_fn,
-        steps=len(program.variants),
+        steps=steps,
         impl=impl,
         expect_capture=backward,
         reference=reference if float64_reference else None,
@@ -638,11 +647,12 @@ def replay(program: Program, backend: str = "none", impl: str = "ca") -> Any:
     result = check_program(program, compiler, impl, float64_reference=backend not in EXACT_BACKENDS)
     print(result.report())
     implementation = get_implementation(impl)
+    runs = RUNS_PER_VARIANT.get(impl, 1)
     for label, compiled in (("eager", False), ("compiled", True)):
         implementation.reset()
-        for i in range(len(program.variants)):
+        for i in range(len(program.variants) * runs):
             with implementation.enable(compiler) if compiled else ca_runtime.disable():
-                _, log = run_program(program, i)
+                _, log = run_program(program, i // runs)
             print(f"step {i} {label} hook log: {log}")
     return result
 
@@ -702,7 +712,7 @@ def fuzz_slice(
     Module-level (not in ``__main__``) so that spawned worker processes can import it.
     """
     failing = fuzz(examples, backend, seed=seed, impl=impl, combined=combined)
-    return None if failing is None else failing.snippet(backend)
+    return None if failing is None else failing.snippet(backend, impl)
 
 
 def planted_bug_compiler() -> Callable[..., Any]:
