@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import textwrap
@@ -45,6 +46,45 @@ def _compare_mlp_with_hooks(wait_at: int, steps: int):
     model, x = _mlp(), torch.randn(5, 8)
     step = _step_with_hooks(model, x, wait_at=wait_at)
     return compare(step, "inductor", tensors=model, steps=steps, impl="ca-background", atol=1e-5)
+
+
+@pytest.mark.inductor
+def test_under_the_default_capture_after_the_second_backward_compiles_in_background() -> None:
+    """enable()'s default (capture_after=2) with compile_in_background: eager, captured, eager while compiling, kernels.
+
+    Every backward before the kernels are ready gives eager's grads bit for
+    bit; the hook runs once per backward throughout.
+    """
+
+    def run(context: contextlib.AbstractContextManager[object]) -> list[tuple[list[torch.Tensor], int]]:
+        model = _mlp()
+        out = []
+        with context:
+            for i in range(6):
+                if i == 4:
+                    assert ca_runtime.wait_for_background_compiles(timeout=600)
+                calls: list[int] = []
+                h = model[0](torch.randn(5, 8, generator=torch.Generator().manual_seed(i)))
+                h.register_hook(lambda g, calls=calls: calls.append(1))
+                model[2](model[1](h)).sin().sum().backward()
+                out.append(([p.grad.clone() for p in model.parameters()], len(calls)))
+                model.zero_grad(set_to_none=True)
+        return out
+
+    eager = run(ca_runtime.disable())
+    ca_runtime.reset()
+    ours = run(ca_runtime.enable("inductor", compile_in_background=True))
+    stats = ca_runtime.stats()
+    assert (stats["deferred_captures"], stats["captures"], stats["background_compiles"]) == (1, 1, 1), stats
+    assert stats["uncompiled_runs"] == 1 and stats["eager_fallbacks"] == 0, stats
+    assert stats["cache_hits"] + stats["eager_while_compiling"] == 4, stats
+    for i, ((grads_eager, calls_eager), (grads_ours, calls_ours)) in enumerate(zip(eager, ours, strict=True)):
+        assert calls_ours == calls_eager == 1
+        for e, o in zip(grads_eager, grads_ours, strict=True):
+            if i < 4:
+                assert torch.equal(e, o), i
+            else:
+                torch.testing.assert_close(o, e, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.inductor
