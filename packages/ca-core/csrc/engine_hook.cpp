@@ -836,25 +836,6 @@ that changes other nodes' hooks shows before any graph runs: see [Note:
 Hooks changed while a graph runs].
 */
 
-/// Whether a backward's lifted sizes or tensor shapes differ from the entry's
-/// last deferred sighting; see [Note: Sightings whose sizes changed].
-bool sizes_changed_since_sighting(const ShadowNode& entry, const BackwardState& state, const GraphArgs& args) {
-  if (entry.sightings == 0) {
-    return false;
-  }
-  if (args.size_values != entry.expected_sizes || state.lifted_tensors.size() != entry.tensor_shapes.size()) {
-    return true;
-  }
-  for (size_t i = 0; i < state.lifted_tensors.size(); ++i) {
-    const auto now = state.lifted_tensors[i].sizes();
-    const auto& before = entry.tensor_shapes[i];
-    if (!std::equal(now.begin(), now.end(), before.begin(), before.end())) {
-      return true;
-    }
-  }
-  return false;
-}
-
 /*
 [Note: Sightings whose sizes changed]
 An entry without a graph keeps the sizes and lifted tensor shapes of its
@@ -893,7 +874,10 @@ bool defers_capture(BackwardRun& run) {
     return false;
   }
   const uint32_t sightings = alive ? run.entry->sightings : 0;
-  const bool sizes_changed = alive && sizes_changed_since_sighting(*run.entry, *run.state, run.args);
+  // See [Note: Sightings whose sizes changed] (a first sighting has none before it).
+  std::vector<std::vector<int64_t>> shapes = alive ? tensor_shapes(*run.state) : decltype(shapes){};
+  const bool sizes_changed = sightings > 0 &&
+      (run.args.size_values != run.entry->expected_sizes || shapes != run.entry->tensor_shapes);
   if (!nb::cast<bool>(defer(sightings, run.args.hooks, sizes_changed))) {
     return false;
   }
@@ -901,9 +885,8 @@ bool defers_capture(BackwardRun& run) {
   if (alive) {
     ShadowNode& entry = *run.entry;
     ++entry.sightings;
-    // See [Note: Sightings whose sizes changed].
     entry.expected_sizes = run.args.size_values;
-    entry.tensor_shapes = tensor_shapes(*run.state);
+    entry.tensor_shapes = std::move(shapes);
   }
   return true;
 }

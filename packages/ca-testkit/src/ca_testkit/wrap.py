@@ -98,9 +98,12 @@ def wrapped_run(request: pytest.FixtureRequest, backend: str) -> Iterator[None]:
         return
     import ca_runtime
 
+    from ca_testkit.implementations import get_implementation
+
     before = ca_runtime.stats()
     try:
-        with ca_runtime.enable(backend, capture_after=1):  # see [Note: Differential runs capture at once]
+        # compare()'s "ca": enable(backend, capture_after=1); see [Note: Differential runs capture at once].
+        with get_implementation("ca").enable(backend):
             yield
     finally:
         after = ca_runtime.stats()
