@@ -114,8 +114,8 @@ def implementation(impl: str, compiler: Compiler | None) -> Iterator[None]:
     elif impl == "ours-bg":
         # Ours with Inductor compiling in the background (see [Note: Compiling
         # in the background]): the backend is "inductor" whatever `compiler` is;
-        # capture_after=1: the first backward is the background compile's to serve.
-        with ca_runtime.enable("inductor", compile_in_background=True, capture_after=1):
+        # capture_after=1, as every ca_testkit implementation but the default's.
+        with get_implementation("ca-background").enable("inductor"):
             yield
     else:
         assert compiler is not None

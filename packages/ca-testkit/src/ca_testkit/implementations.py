@@ -17,6 +17,7 @@ is that default, said explicitly.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -46,34 +47,15 @@ class Implementation:
     stats: Callable[[], dict[str, int]]
 
 
-def _ca_enable(compiler_fn: CompilerFn | str) -> contextlib.AbstractContextManager[Any]:
+def _ca_enable(compiler_fn: CompilerFn | str, **options: Any) -> contextlib.AbstractContextManager[Any]:
     import ca_runtime
 
-    return ca_runtime.enable(compiler_fn, capture_after=1)  # see [Note: Differential runs capture at once]
+    return ca_runtime.enable(compiler_fn, **options)
 
 
-def _ca_background_enable(compiler_fn: CompilerFn | str) -> contextlib.AbstractContextManager[Any]:
-    import ca_runtime
-
-    return ca_runtime.enable(compiler_fn, compile_in_background=True, capture_after=1)
-
-
-def _ca_compiled_enable(compiler_fn: CompilerFn | str) -> contextlib.AbstractContextManager[Any]:
-    import ca_runtime
-
-    return ca_runtime.enable(compiler_fn, eager_if_faster=False, capture_after=1)
-
-
-def _ca_timed_enable(compiler_fn: CompilerFn | str) -> contextlib.AbstractContextManager[Any]:
-    import ca_runtime
-
-    return ca_runtime.enable(compiler_fn, eager_if_faster=True, capture_after=1)
-
-
-def _ca_second_sighting_enable(compiler_fn: CompilerFn | str) -> contextlib.AbstractContextManager[Any]:
-    import ca_runtime
-
-    return ca_runtime.enable(compiler_fn, capture_after=2)
+def _ca_enable_with(**options: Any) -> Callable[[CompilerFn | str], contextlib.AbstractContextManager[Any]]:
+    """``ca_runtime.enable(compiler_fn, **options)`` as an implementation's ``enable``."""
+    return functools.partial(_ca_enable, **options)
 
 
 def _ca_reset() -> None:
@@ -108,16 +90,23 @@ def _torch_stats() -> dict[str, int]:
 
 
 IMPLEMENTATIONS: dict[str, Implementation] = {
-    "ca": Implementation("ca", _ca_enable, _ca_reset, _ca_stats),
+    # capture_after=1 in all but the last: see [Note: Differential runs capture at once].
+    "ca": Implementation("ca", _ca_enable_with(capture_after=1), _ca_reset, _ca_stats),
     # Ours with Inductor compiling in the background (compiler_fn "inductor" only).
-    "ca-background": Implementation("ca-background", _ca_background_enable, _ca_reset, _ca_stats),
+    "ca-background": Implementation(
+        "ca-background", _ca_enable_with(compile_in_background=True, capture_after=1), _ca_reset, _ca_stats
+    ),
     # Ours always running the compiled graph (enable(eager_if_faster=False), the default said explicitly).
-    "ca-compiled": Implementation("ca-compiled", _ca_compiled_enable, _ca_reset, _ca_stats),
+    "ca-compiled": Implementation(
+        "ca-compiled", _ca_enable_with(eager_if_faster=False, capture_after=1), _ca_reset, _ca_stats
+    ),
     # Ours choosing the eager engine where it times faster (enable(eager_if_faster=True)).
-    "ca-timed": Implementation("ca-timed", _ca_timed_enable, _ca_reset, _ca_stats),
+    "ca-timed": Implementation(
+        "ca-timed", _ca_enable_with(eager_if_faster=True, capture_after=1), _ca_reset, _ca_stats
+    ),
     # Ours capturing a graph on its second backward (enable(capture_after=2), the default said explicitly).
     "ca-capture-after-2": Implementation(
-        "ca-capture-after-2", _ca_second_sighting_enable, _ca_reset, _ca_stats
+        "ca-capture-after-2", _ca_enable_with(capture_after=2), _ca_reset, _ca_stats
     ),
     "torch": Implementation("torch", _torch_enable, _torch_reset, _torch_stats),
 }
