@@ -274,6 +274,31 @@ def test_a_hook_that_removes_a_later_hook_and_registers_another() -> None:
     assert torch.equal(x.grad, torch.tensor([60.0, 60.0, 60.0]))
 
 
+def test_a_hook_that_swaps_a_later_hook_only_on_its_third_backward() -> None:
+    # The same swap, made by a hook registered on every forward but only on
+    # the third backward: the backwards before it call the old hook, that one
+    # and the ones after it the new one.
+    calls: list[str] = []
+    grads = []
+    for step in range(4):
+        x = _leaf(1.0, 2.0, 3.0)
+        x2 = x * 2
+        y = x2 * 3
+        old = x2.register_hook(lambda grad: calls.append("old") or grad * 100)
+
+        def swap(grad: torch.Tensor, step: int = step, old: object = old, x2: torch.Tensor = x2) -> None:
+            calls.append("y")
+            if step >= 2:
+                old.remove()  # type: ignore[attr-defined]
+                x2.register_hook(lambda grad: calls.append("new") or grad * 10)
+
+        y.register_hook(swap)
+        y.sum().backward()
+        grads.append(x.grad[0].item())
+    assert calls == ["y", "old", "y", "old", "y", "new", "y", "new"]
+    assert grads == [600.0, 600.0, 60.0, 60.0]
+
+
 def test_a_hook_that_removes_itself_runs_on_the_first_backward_only() -> None:
     calls: list[str] = []
     w = _leaf(1.0, 2.0)

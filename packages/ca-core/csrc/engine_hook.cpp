@@ -831,9 +831,13 @@ changes: the entry is not failed, and its next backward asks again. The
 runtime's rules (ca_runtime's [Note: Which captures wait]) read nothing but
 the count, the objects' code and the Python stack, so the choice is the same
 on every run of a program. A runtime without the method captures at once.
-A deferred backward whose graph would call Python code is also where a hook
-that changes other nodes' hooks shows before any graph runs: see [Note:
-Hooks changed while a graph runs].
+It may also answer a string, the reason it declines the entry for good,
+after reporting that as a fallback (a graph whose hooks' code may change
+hooks; see [Note: Hooks changed while a graph runs]): the entry is marked
+failed, as a failed capture's is, and this backward and every later one at
+it run on the eager engine. A deferred backward whose graph would call
+Python code is also where a hook that changes other nodes' hooks shows
+before any graph runs.
 */
 
 /*
@@ -861,25 +865,39 @@ sizes would hit a graph specialised to the old ones (a hook saw a 3-row
 grad in a 0-row backward; found by fuzzing enable()'s default).
 */
 
-/// Whether the runtime defers this backward's capture (it then runs eagerly);
-/// see [Note: Deferred captures].
-bool defers_capture(BackwardRun& run) {
+/// What the runtime's defer_capture answers; see [Note: Deferred captures].
+enum class CaptureChoice {
+  /// Capture now.
+  capture,
+  /// Run this backward eagerly; ask again at the entry's next backward.
+  defer,
+  /// Never capture the entry: the runtime has reported why as a fallback.
+  decline,
+};
+
+/// Whether the runtime defers this backward's capture (it then runs eagerly)
+/// or declines the entry; see [Note: Deferred captures].
+CaptureChoice capture_choice(BackwardRun& run) {
   const bool alive = run.entry_alive();
   if (alive && run.entry->compiled_fn.is_valid()) {
     // See [Note: A graph's changed sizes are not deferred].
-    return false;
+    return CaptureChoice::capture;
   }
   nb::object defer = nb::getattr(run.runtime, "defer_capture", nb::none());
   if (defer.is_none()) {
-    return false;
+    return CaptureChoice::capture;
   }
   const uint32_t sightings = alive ? run.entry->sightings : 0;
   // See [Note: Sightings whose sizes changed] (a first sighting has none before it).
   std::vector<std::vector<int64_t>> shapes = alive ? tensor_shapes(*run.state) : decltype(shapes){};
   const bool sizes_changed = sightings > 0 &&
       (run.args.size_values != run.entry->expected_sizes || shapes != run.entry->tensor_shapes);
-  if (!nb::cast<bool>(defer(sightings, run.args.hooks, sizes_changed))) {
-    return false;
+  nb::object answer = defer(sightings, run.args.hooks, sizes_changed);
+  if (nb::isinstance<nb::str>(answer)) {
+    return CaptureChoice::decline;
+  }
+  if (!nb::cast<bool>(answer)) {
+    return CaptureChoice::capture;
   }
   ++g_counters.deferred_captures;
   if (alive) {
@@ -888,7 +906,7 @@ bool defers_capture(BackwardRun& run) {
     entry.expected_sizes = run.args.size_values;
     entry.tensor_shapes = std::move(shapes);
   }
-  return true;
+  return CaptureChoice::defer;
 }
 
 /// Step 3: captures the backward into its entry; false if the capture failed.
@@ -1065,19 +1083,20 @@ marked failed, so every later backward of that graph runs on the eager
 engine, which reads the hooks as they are. That backward is not eager's;
 making it so would need the graph to read each node's hooks when it reaches
 the node, which a graph traced by Dynamo cannot (it applies a traced hook's
-registrations after the graph). So the change is looked for before a
-capture too: a deferred backward (see [Note: Deferred captures]) runs on the
-eager engine, which reads each node's hooks when it reaches it, and is
-compared the same way (deferred_eager), a change marking the entry failed
-with no graph captured; and the runtime defers the first backward of an
-entry whose graph would call code that names a hook registration or a
-handle's removal (ca_runtime's [Note: Which captures wait]). Such a change is
-usually made on every backward (the hook is registered with the forward), so
-that first backward shows it and every backward is eager's. What is left: a
-change made only on a later backward, or by code the runtime's look at the
-hooks' code does not reach (a method found through an attribute chain such
-as self.helper.swap() or getattr, a function past the 64 it follows), is
-found after that backward's graph ran. A graph without Python objects
+registrations after the graph). So no graph is run where such a change can be
+foreseen: the runtime declines to capture an entry whose graph would call
+code that names a hook registration or a handle's removal (ca_runtime's
+[Note: Which captures wait]), and each of its backwards runs on the eager
+engine, which reads each node's hooks when it reaches it. Its first
+backward is deferred rather than declined, and compared the same way
+(deferred_eager): a change there marks the entry failed at once, as one
+made while the graph ran (the warning names the node); without one the
+next backward declines it (the warning names the hook). What is left: a
+change made by code the runtime's look at the hooks' code does not reach
+(a method found through an attribute chain such as self.helper.swap() or
+getattr, a function past the 64 it follows, a hook object replaced by
+another with the same key after the capture), which is found after that
+backward's graph ran. A graph without Python objects
 runs no code that could register a hook: the walk computes no signature for
 it and nothing is compared, so a hook-free cache hit pays nothing for this.
 */
@@ -1267,9 +1286,20 @@ variable_list compiled_backward_with_gil(
   if (auto done = lookup(run)) {
     return std::move(*done);
   }
-  if (!run.compiled.is_valid() && defers_capture(run)) {
-    // See [Note: Deferred captures]: not a fallback.
-    return deferred_eager(run);
+  if (!run.compiled.is_valid()) {
+    switch (capture_choice(run)) {
+      case CaptureChoice::capture:
+        break;
+      case CaptureChoice::defer:
+        // See [Note: Deferred captures]: not a fallback.
+        return deferred_eager(run);
+      case CaptureChoice::decline:
+        // The runtime reported the fallback, and why, before answering.
+        if (run.entry_alive()) {
+          mark_failed(*run.entry, run.runtime);
+        }
+        return run.eager();
+    }
   }
   ScopedSlot<BackwardState> active(active_backward(), run.state.get());
   InterfaceScope interface;

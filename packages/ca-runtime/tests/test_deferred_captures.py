@@ -379,17 +379,17 @@ def _nested(grad: torch.Tensor) -> None:
 )
 def test_the_look_at_hook_code_sees_registrations_and_removals(make: Any, names: bool) -> None:
     """See [Note: Which captures wait]: the third rule's look at the code a graph would call."""
-    from ca_runtime._runtime import _names_a_hook_change
+    from ca_runtime._runtime import _function_naming_a_hook_change
 
     handle = torch.ones(1, requires_grad=True).register_hook(lambda g: g)
-    assert _names_a_hook_change([make(handle)]) is names
+    assert (_function_naming_a_hook_change([make(handle)]) is not None) is names
 
 
 def test_the_look_at_hook_code_sees_a_functions_backward() -> None:
-    from ca_runtime._runtime import _names_a_hook_change
+    from ca_runtime._runtime import _function_naming_a_hook_change
 
     x = torch.ones(2, requires_grad=True)
     y = _RegistersInBackward.apply(x)
     ctx = y.grad_fn
-    assert _names_a_hook_change([ctx])
-    assert not _names_a_hook_change([(x * 2).grad_fn])  # a C++ node: no Python code
+    assert _function_naming_a_hook_change([ctx]) == f"{__name__}._RegistersInBackward.backward"
+    assert not _function_naming_a_hook_change([(x * 2).grad_fn])  # a C++ node: no Python code

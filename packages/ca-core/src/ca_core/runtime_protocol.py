@@ -48,10 +48,12 @@ class EngineRuntime(Protocol):
     # Optional: ``eager_if_faster: bool`` (read at install) and
     # ``report_eager_if_faster(entry_id, eager, compiled_s, eager_s, compiled_over_eager) -> None``; see
     # [Note: Eager if faster] in eager_if_faster.h.
-    # Optional: ``defer_capture(sightings: int, hooks: list[Any], sizes_changed: bool) -> bool``,
+    # Optional: ``defer_capture(sightings: int, hooks: list[Any], sizes_changed: bool) -> bool | str``,
     # asked before a capture with the Python objects the graph would call and whether its
     # sizes differ from the last deferred sighting's; True runs this backward eagerly
-    # instead; see [Note: Deferred captures] in engine_hook.cpp.
+    # instead; a string (why, already reported as a fallback) marks the entry failed, so
+    # that it and every later backward there run eagerly; see [Note: Deferred captures]
+    # in engine_hook.cpp.
     # Optional: ``report_hooks_changed(node: str, graph_ran: bool) -> None``, called
     # after a backward during which a hook changed the hooks of ``node``: a graph run
     # (``graph_ran``) or a deferred backward on the eager engine; see [Note: Hooks

@@ -506,26 +506,28 @@ def _functions_run_by(obj: object) -> Iterator[tuple[types.FunctionType, type | 
         yield function, owner
 
 
-def _names_a_hook_change(hooks: Sequence[object]) -> bool:
-    """Whether code the graph would call names a hook registration or removal; see [Note: Which captures wait].
+def _function_naming_a_hook_change(hooks: Sequence[object]) -> str | None:
+    """Which code the graph would call names a hook registration or removal, or None; see [Note: Which captures wait].
 
-    Two looks: the names that resolve directly first, then with held objects'
-    methods and modules' functions too (``_HookCodeScan``), each with its
-    own bound, so that a library reached through an object cannot spend the
-    bound before a function the hook calls by name is read. The look runs
-    inside a backward on whatever the hooks hold: if it fails on an object
-    it cannot read, the hooks are taken as ones that may change hooks (the
-    first backward runs eagerly, which is eager's answer), never raised.
+    The answer is the qualified name of the hook or Function backward whose
+    code, or code it calls, names one. Two looks: the names that resolve
+    directly first, then with held objects' methods and modules' functions
+    too (``_HookCodeScan``), each with its own bound, so that a library
+    reached through an object cannot spend the bound before a function the
+    hook calls by name is read. The look runs inside a backward on whatever
+    the hooks hold: if it fails on an object it cannot read, the hooks are
+    taken as ones that may change hooks (they then run on the eager engine,
+    which is eager's answer), never raised.
     """
     try:
-        return any(
-            scan.function_names_a_hook_change(function, owner)
-            for scan in (_HookCodeScan(follow_held_objects=False), _HookCodeScan(follow_held_objects=True))
-            for obj in hooks
-            for function, owner in _functions_run_by(obj)
-        )
-    except Exception:  # noqa: BLE001 - see the docstring: a look that fails answers "may change"
-        return True
+        for scan in (_HookCodeScan(follow_held_objects=False), _HookCodeScan(follow_held_objects=True)):
+            for obj in hooks:
+                for function, owner in _functions_run_by(obj):
+                    if scan.function_names_a_hook_change(function, owner):
+                        return f"{function.__module__}.{function.__qualname__}"
+    except Exception as e:  # noqa: BLE001 - see the docstring: a look that fails answers "may change"
+        return f"a hook whose code could not be read ({type(e).__name__})"
+    return None
 
 
 class Runtime:
@@ -551,7 +553,9 @@ class Runtime:
         #: (``pending``) or failed (``failed_first_run``); see _report/records.py.
         self._records = threading.local()
 
-    def defer_capture(self, sightings: int, hooks: Sequence[object], sizes_changed: bool = False) -> bool:
+    def defer_capture(
+        self, sightings: int, hooks: Sequence[object], sizes_changed: bool = False
+    ) -> bool | str:
         """[Note: Which captures wait]
         Whether a backward at a cache entry without a graph runs eagerly
         instead of being captured now (see [Note: Deferred captures] in
@@ -584,26 +588,44 @@ class Runtime:
           them costs seconds each for no hit, and what they check is the
           nodes' derivative formulas, which the eager engine runs too. A
           backward of an entry captured before still hits its graph there.
-        - The first backward of an entry whose graph would call code that
-          names a hook registration or a handle's removal
-          (``_names_a_hook_change``: a hook that registers or removes hooks
-          of other nodes, which eager reads only when it reaches them) runs
-          eagerly, and ca_core compares the nodes' hooks after it, so such a
-          change is found before any graph calls the hooks its walk found;
-          see [Note: Hooks changed while a graph runs] in ca_core. The look
-          reads the hooks' code, code defined in it, and the Python
-          functions that code calls by a name that resolves without running
-          anything (``_HookCodeScan``: a global of its module, a function in
-          its closure, a method of a bound method's class or of an object or
-          module its globals or closure hold), theirs in turn,
-          up to 64 functions: a hook that swaps hooks through a helper is
-          found as one that does it itself.
+        - An entry whose graph would call code that names a hook
+          registration or a handle's removal (``_function_naming_a_hook_change``:
+          a hook that registers or removes hooks of other nodes, which eager
+          reads only when it reaches them) is never compiled. Its first
+          backward (the one that would capture) runs eagerly, deferred, and
+          ca_core compares the nodes' hooks after it, so a change made on
+          every backward is reported as one; the next (``sightings`` > 0)
+          answers a reason instead of True or False, after reporting it as
+          a fallback (one ``EagerFallbackWarning``), and ca_core marks the
+          entry failed: each of its backwards runs on the eager engine,
+          which reads the hooks as they are, so a change made only on some
+          later backward is eager's too. The first backward is only
+          deferred, not failed, for the one-shot pattern: a hook that
+          removes itself leaves a graph with no such hook, whose key
+          differs, so the entry never comes back. See [Note: Hooks changed
+          while a graph runs] in ca_core. The look reads the hooks' code,
+          code defined in it, and the Python functions that code calls by
+          a name that resolves without running anything (``_HookCodeScan``:
+          a global of its module, a function in its closure, a method of a
+          bound method's class or of an object or module its globals or
+          closure hold), theirs in turn, up to 64 functions: a hook that
+          swaps hooks through a helper is found as one that does it itself.
         """
         if _inside_gradcheck():
             return True
         if sightings + 1 < self.capture_after + (1 if sizes_changed else 0):
             return True
-        return sightings == 0 and _names_a_hook_change(hooks)
+        changer = _function_naming_a_hook_change(hooks)
+        if changer is None:
+            return False
+        if sightings == 0:
+            return True
+        reason = (
+            "its code registers or removes autograd hooks, which eager reads as it reaches each node "
+            "and a compiled graph reads when it starts"
+        )
+        self._fallback(changer, reason)
+        return reason
 
     def capture(self, graph: ca_core.BackwardGraph) -> ca_core.CapturedGraph | None:
         record = records.begin_capture(graph, self.compiler_key)
