@@ -11,7 +11,7 @@ import pytest
 import torch
 from ca_runtime import _inductor_buffer_reuse
 from ca_runtime._inductor_buffer_reuse import keeps_peak
-from ca_runtime._inductor_passes import UNFUSE_LATE_ADDMM
+from ca_runtime._inductor_passes import MULTIPLY_OUT_ADD_ALPHA, UNFUSE_LATE_ADDMM
 from ca_runtime._runtime import BACKWARD_INDUCTOR_OPTIONS
 from ca_runtime._torch_interop import InductorReuseCandidate
 from ca_testkit import compare
@@ -103,6 +103,57 @@ def test_a_bias_addmm_or_one_of_small_matrices_is_kept(late_input: bool, rows: i
     before = _targets(gm)
     UNFUSE_LATE_ADDMM(gm.graph)
     assert _targets(gm) == before and aten.addmm.default in before
+
+
+@pytest.mark.parametrize("mm_first", [False, True], ids=["add-of-an-mm", "mm-plus-scaled"])
+def test_an_adds_alpha_beside_an_mm_is_multiplied_out(mm_first: bool) -> None:
+    """See [Note: An add's alpha beside an mm]: the add keeps its arithmetic, with no alpha for Inductor to drop."""
+
+    def f(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        mm = aten.mm.default(a, b)
+        return aten.add.Tensor(mm, w, alpha=-0.01) if mm_first else aten.add.Tensor(w, mm, alpha=-0.01)
+
+    gm = torch.fx.symbolic_trace(f)
+    args = [torch.randn(4, 3), torch.randn(4, 2), torch.randn(2, 3)]
+    expected = gm(*args)
+    MULTIPLY_OUT_ADD_ALPHA(gm.graph)
+    gm.graph.lint()
+    gm.recompile()
+    assert _targets(gm) == [aten.mm.default, aten.mul.Tensor, aten.add.Tensor]
+    assert all("alpha" not in n.kwargs for n in gm.graph.nodes)
+    torch.testing.assert_close(gm(*args), expected)
+    # An add without alpha, or of no mm, is left as it is.
+    plain = torch.fx.symbolic_trace(lambda w, a, b: aten.add.Tensor(w, aten.mm.default(a, b)))
+    scaled = torch.fx.symbolic_trace(lambda w, a, b: aten.add.Tensor(w, a.sum() * b.sum(), alpha=2))
+    for untouched in (plain, scaled):
+        before = [(n.target, n.args, n.kwargs) for n in untouched.graph.nodes]
+        MULTIPLY_OUT_ADD_ALPHA(untouched.graph)
+        assert [(n.target, n.args, n.kwargs) for n in untouched.graph.nodes] == before
+
+
+@pytest.mark.inductor
+def test_an_sgd_step_with_alpha_in_a_post_accumulate_grad_hook_moves_the_weight_as_eager() -> None:
+    """Found by trying issue 36's optimizer-in-backward: Inductor's add-of-an-mm pattern dropped the step's alpha,
+    moving the weight by +grad instead of -0.01 * grad (see [Note: An add's alpha beside an mm])."""
+    torch.manual_seed(1)
+    w1, w2, x = torch.randn(16, 32), torch.randn(32, 4), torch.randn(8, 16)
+
+    def sgd(p: torch.Tensor) -> None:
+        with torch.no_grad():
+            p.add_(p.grad, alpha=-0.01)
+        p.grad = None
+
+    params = [w1.clone().requires_grad_(), w2.clone().requires_grad_()]
+    for p in params:
+        p.register_post_accumulate_grad_hook(sgd)
+
+    def step(i: int) -> list[torch.Tensor]:
+        (x @ params[0]).sigmoid().matmul(params[1]).pow(2).sum().backward()
+        return [p.detach().clone() for p in params]
+
+    result = compare(step, "inductor", steps=3, tensors=params, rtol=1e-5, atol=1e-5)
+    result.assert_ok()
+    assert result.stats["captures"] >= 1 and result.stats["eager_fallbacks"] == 0
 
 
 def _zeroed_forward_and_step(model: torch.nn.Module, tokens: torch.Tensor) -> tuple[Any, Any]:

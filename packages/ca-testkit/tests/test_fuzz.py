@@ -104,6 +104,30 @@ def test_the_combined_mode_draws_each_feature() -> None:
     assert {p.multi_mode for p in drawn if p.multi_hook} == {"all", "any"}
     assert any(p.batched for p in drawn) and not any(p.batched and p.double for p in drawn)
     assert any(p.third_order for p in drawn) and all(p.double for p in drawn if p.third_order)
+    assert any(step.hook in fuzz.COMBINED_HOOKS for p in drawn for step in p.steps)
+    assert any(v.registers_hooks for p in drawn for v in p.variants)
+
+
+@pytest.mark.parametrize("impl", ["ca", "ca-capture-after-2"])
+def test_a_hook_that_registers_a_later_hook_only_in_a_later_variant(impl: str) -> None:
+    """Issue 36: the registration comes on the second variant only; eager calls the new hook in that backward.
+
+    The hook's code names register_hook, so ca never compiles its graph (ca_runtime's [Note: Which captures
+    wait]): a graph captured at the first variant would call the hooks its walk found on the second.
+    """
+    program = fuzz.Program(
+        (True,),
+        (fuzz.Step("sin", (0,)), fuzz.Step("square", (1,), "register_on_operand"), fuzz.Step("tanh", (2,))),
+        (3,),
+        variants=(fuzz.Variant(), fuzz.Variant(registers_hooks=True), fuzz.Variant(registers_hooks=True)),
+    )
+    _, first_log = fuzz.run_program(program, 0)
+    _, second_log = fuzz.run_program(program, 1)
+    assert "h1 registered (3, 4)" in second_log and "h1 registered (3, 4)" not in first_log
+    result = fuzz.check_program(program, "eager", impl=impl)
+    assert result.ok, result.report()
+    assert result.stats["captures"] == 0 and result.stats["cache_hits"] == 0
+    assert result.stats["deferred_captures"] >= 1 and result.stats["eager_fallbacks"] >= 1
 
 
 @pytest.mark.parametrize("op", ["checkpoint", "function", "setup_function", "linear"])

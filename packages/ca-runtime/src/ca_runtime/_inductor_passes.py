@@ -76,3 +76,44 @@ class UnfuseLateAddmm(CustomGraphPass):
 
 #: The one instance BACKWARD_INDUCTOR_OPTIONS sets (Inductor keys its caches by its uuid).
 UNFUSE_LATE_ADDMM = UnfuseLateAddmm()
+
+
+# [Note: An add's alpha beside an mm]
+# Inductor's post-grad pattern `add(inp, mm(a, b)) -> addmm(inp, a, b)`
+# (fx_passes/post_grad.py, torch 2.13) also matches an add with an `alpha`
+# and drops it: `w.add(x @ y, alpha=-0.01)` compiles to `w + x @ y`, in a
+# plain torch.compile too. In a backward graph that add is user code: an
+# optimizer step in a post-accumulate-grad hook (`p.add_(p.grad, alpha=-lr)`,
+# the grad being the weight-grad mm that the leaf stole) moved the
+# parameters by +grad instead of -lr * grad. This pass, run before
+# Inductor's patterns (post_grad_custom_pre_pass), writes each add.Tensor
+# whose alpha is not 1 and one of whose operands is an mm as the add of
+# that operand times alpha, the arithmetic the add defines; the pattern then
+# finds no add of an mm there.
+
+
+class MultiplyOutAddAlpha(CustomGraphPass):
+    """See [Note: An add's alpha beside an mm]."""
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        for node in list(graph.nodes):
+            if node.op != "call_function" or node.target is not aten.add.Tensor:
+                continue
+            alpha = node.kwargs.get("alpha", 1)
+            if alpha == 1 or len(node.args) != 2:
+                continue
+            if not any(isinstance(a, torch.fx.Node) and a.target is aten.mm.default for a in node.args):
+                continue
+            inp, other = node.args
+            with graph.inserting_before(node):
+                scaled = graph.call_function(aten.mul.Tensor, (other, alpha))
+            scaled.meta = dict(other.meta) if isinstance(other, torch.fx.Node) else {}
+            node.args = (inp, scaled)
+            node.kwargs = {k: v for k, v in node.kwargs.items() if k != "alpha"}
+
+    def uuid(self) -> Any:
+        return get_hash_for_files((__file__,))
+
+
+#: The one instance BACKWARD_INDUCTOR_OPTIONS sets.
+MULTIPLY_OUT_ADD_ALPHA = MultiplyOutAddAlpha()

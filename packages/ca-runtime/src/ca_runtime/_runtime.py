@@ -75,7 +75,7 @@ from ca_runtime._compiler_key import compiler_name, note_first_capture
 from ca_runtime._dynamo_direct import wrap_if_dynamo_module
 from ca_runtime._graph_ops import call_user, raised_by_user_code
 from ca_runtime._inductor_buffer_reuse import peak_keeping_reuse
-from ca_runtime._inductor_passes import UNFUSE_LATE_ADDMM
+from ca_runtime._inductor_passes import MULTIPLY_OUT_ADD_ALPHA, UNFUSE_LATE_ADDMM
 from ca_runtime._log import (
     EagerFallbackWarning,
     GraphBreakWarning,
@@ -268,11 +268,15 @@ def _collecting_tracing_cycles() -> Iterator[None]:
 # directly]); an input that fails them is recompiled for, never run. A hit of
 # the LSTM ran 0.60-0.63x eager without them against 0.665-0.68x with them,
 # the gated cell 0.61-0.64x against 0.69x (bench/LOG.md, 2026-12-05).
+# post_grad_custom_pre_pass is ours too, for a wrong value, not for speed:
+# see [Note: An add's alpha beside an mm] (_inductor_passes.py). A user's
+# own pre pass replaces it.
 #: Inductor options for a captured backward graph's compile; see the Note above.
 BACKWARD_INDUCTOR_OPTIONS: dict[str, object] = {
     "reorder_for_locality": False,
     "allow_buffer_reuse": True,
     "post_grad_custom_post_pass": UNFUSE_LATE_ADDMM,
+    "post_grad_custom_pre_pass": MULTIPLY_OUT_ADD_ALPHA,
     "size_asserts": False,
     "max_fusion_size": 512,
 }

@@ -26,7 +26,9 @@ hooks log each call (so that an unpack run twice, or not at all, is a
 mismatch), or under ``save_on_cpu``, or both, a
 ``register_multi_grad_hook`` (mode ``"all"`` or ``"any"``) over a few pool
 tensors, a custom Function written with ``setup_context`` and
-``once_differentiable``, and a double backward (``autograd.grad`` with
+``once_differentiable``, a tensor hook that registers a hook on its step's
+first operand in the variants that say so (eager calls it later in the same
+backward; ca runs such graphs eagerly), and a double backward (``autograd.grad`` with
 ``create_graph=True``, then a backward of the grads' sum; or a third
 derivative, the grads differentiated with ``create_graph=True`` once more
 before that backward) or a batched grad
@@ -46,6 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -197,6 +200,11 @@ ALL_OPS: dict[str, OpSpec] = {**OPS, **COMBINED_OPS}
 #: Hooks a step may attach to its output: tensor hooks and grad_fn pre/post hooks.
 HOOKS: tuple[str, ...] = ("double", "observe", "pre_half", "post_observe")
 
+#: Hooks only the combined mode draws: a tensor hook that, in a variant with
+#: ``registers_hooks``, registers a tensor hook on the step's first operand,
+#: whose node runs later in the same backward (eager calls it there).
+COMBINED_HOOKS: tuple[str, ...] = ("register_on_operand",)
+
 #: Values a variant draws from; the first is the default that shrinking goes to.
 ROWS: tuple[int, ...] = (3, 0, 1, 5)
 SCALARS: tuple[float, ...] = (2.5, -1.5, 0.5, 1.0)
@@ -225,6 +233,8 @@ class Variant:
     grad_defined: bool = False
     #: The program's hooks are registered for this backward.
     hooks: bool = True
+    #: Its ``register_on_operand`` hooks register a hook when they run (combined mode).
+    registers_hooks: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -373,7 +383,8 @@ def run_program(
         for k, step in enumerate(program.steps):
             out = ALL_OPS[step.op].fn(*(pool[j] for j in step.args), weight, lin, variant.scalar)
             if variant.hooks and step.hook and out.grad_fn is not None:
-                _attach_hook(out, step.hook, f"h{k}", log)
+                operand = pool[step.args[0]]
+                _attach_hook(out, step.hook, f"h{k}", log, operand if variant.registers_hooks else None)
             pool.append(out)
     if variant.hooks and program.multi_hook:
         watched = [pool[i] for i in program.multi_hook if pool[i].requires_grad]
@@ -457,9 +468,19 @@ def _batched_grad(
         return []
 
 
-def _attach_hook(out: torch.Tensor, kind: str, name: str, log: list[str]) -> None:
+def _attach_hook(
+    out: torch.Tensor, kind: str, name: str, log: list[str], register_on: torch.Tensor | None = None
+) -> None:
     if kind in ("double", "observe"):
         out.register_hook(_logging_hook(log, name, 2.0 if kind == "double" else None))
+    elif kind == "register_on_operand":
+
+        def registering(grad: torch.Tensor) -> None:
+            log.append(f"{name} {tuple(grad.shape)}")
+            if register_on is not None and register_on.requires_grad:
+                register_on.register_hook(_logging_hook(log, f"{name} registered", 3.0))
+
+        out.register_hook(registering)
     elif kind == "pre_half":
 
         def pre(grads: tuple[torch.Tensor | None, ...]) -> tuple[torch.Tensor | None, ...]:
@@ -524,7 +545,7 @@ def programs(max_steps: int = 8, max_variants: int = 4, combined: bool = False) 
             pool_size = n_leaves + k
             name = draw(st.sampled_from(sorted(ALL_OPS if combined else OPS)))
             args = tuple(draw(st.integers(0, pool_size - 1)) for _ in range(ALL_OPS[name].arity))
-            hook = draw(st.sampled_from([None, None, None, *HOOKS]))
+            hook = draw(st.sampled_from([None, None, None, *HOOKS, *(COMBINED_HOOKS if combined else ())]))
             steps.append(Step(name, args, hook))
         total = n_leaves + len(steps)
         roots = tuple(sorted(draw(st.sets(st.integers(n_leaves, total - 1), min_size=1, max_size=2))))
@@ -540,6 +561,7 @@ def programs(max_steps: int = 8, max_variants: int = 4, combined: bool = False) 
                     requires_grad=tuple(draw(st.booleans()) for _ in range(n_leaves)) if flip else None,
                     grad_defined=draw(st.booleans()),
                     hooks=draw(st.sampled_from([True, True, False])),
+                    registers_hooks=combined and draw(st.booleans()),
                 )
             )
         return Program(
@@ -599,13 +621,18 @@ def check_program(
     """compare() of one program's sequence: eager vs compiled grads and hook logs, every step.
 
     A sequence with a backward must capture something and fall back nowhere:
-    eager's answer from a silent fallback is no pass. With
+    eager's answer from a silent fallback is no pass. A program with a hook
+    whose code registers hooks (``register_on_operand``) is the exception:
+    its graphs are never compiled (ca_runtime's [Note: Which captures
+    wait]), so it must have run them eagerly by that rule, deferred or
+    declined, and may capture only graphs without that hook. With
     ``float64_reference`` a value outside rtol/atol passes when it is within
     a rounding backend's error of the program run in float64.
     """
     from ca_testkit.compare import TensorDiff, compare
 
     backward = any(_runs_a_backward(program, i) for i in range(len(program.variants)))
+    registering = any(step.hook in COMBINED_HOOKS for step in program.steps)
     runs = RUNS_PER_VARIANT.get(impl, 1)
     steps = len(program.variants) * runs
 
@@ -621,20 +648,45 @@ def check_program(
     def reference(i: int) -> Any:
         return run_program(program, i // runs, dtype=torch.float64)
 
-    result = compare(
-        step,
-        compiler_fn,
-        steps=steps,
-        impl=impl,
-        expect_capture=backward,
-        reference=reference if float64_reference else None,
-    )
+    with warnings.catch_warnings():
+        if registering:  # the rule's one warning is expected; the counters below show the rule ran
+            warnings.filterwarnings(
+                "ignore", message=r"ca_runtime: .* (registers or removes|registered or removed)"
+            )
+        result = compare(
+            step,
+            compiler_fn,
+            steps=steps,
+            impl=impl,
+            expect_capture=backward and not registering,
+            reference=reference if float64_reference else None,
+        )
     fallbacks = result.stats.get("eager_fallbacks", 0)
-    if fallbacks:
+    if fallbacks and not registering:
         note = f"{fallbacks} backward(s) fell back to the eager engine"
         extra = TensorDiff("eager_fallbacks", False, 0.0, 0.0, None, None, note)
         result = dataclasses.replace(result, diffs=(*result.diffs, extra))
+    if (
+        registering
+        and _registering_hook_runs(program)
+        and not (fallbacks or result.stats.get("deferred_captures"))
+    ):
+        note = "a graph with a hook that registers hooks ran, and none was deferred or declined"
+        extra = TensorDiff("deferred_captures", False, 0.0, 0.0, None, None, note)
+        result = dataclasses.replace(result, diffs=(*result.diffs, extra))
     return result
+
+
+def _registering_hook_runs(program: Program) -> bool:
+    """Whether some variant's backward calls a ``register_on_operand`` hook (its log names it)."""
+    for index, variant in enumerate(program.variants):
+        if not variant.hooks or not _runs_a_backward(program, index):
+            continue
+        _, log = run_program(program, index)
+        names = {f"h{k}" for k, step in enumerate(program.steps) if step.hook in COMBINED_HOOKS}
+        if any(entry.split()[0] in names for entry in log):
+            return True
+    return False
 
 
 def replay(program: Program, backend: str = "none", impl: str = "ca") -> Any:
