@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -67,3 +69,22 @@ def test_grad_fn_post_hook_returning_a_good_tuple_replaces_the_grads() -> None:
     hidden.grad_fn.register_hook(lambda gi, go: (gi[0] * 10, None))
     _backward(hidden)
     assert torch.equal(x.grad, torch.full((2, 3), 80.0))
+
+
+@pytest.mark.parametrize(
+    ("returns", "error", "message"),
+    [
+        (lambda p: p.grad, RuntimeError, "Tensor post accumulate grad hooks should return None."),
+        (lambda p: (p.grad, 1), TypeError, "expected Variable, but hook returned 'tuple'"),
+        (lambda p: 1, TypeError, "expected Variable, but hook returned 'int'"),
+    ],
+    ids=["a-tensor", "a-tuple", "an-int"],
+)
+def test_post_accumulate_grad_hook_returning_a_value(returns, error, message) -> None:  # type: ignore[no-untyped-def]
+    calls: list[str] = []
+    leaf = torch.ones(2, 3, requires_grad=True)
+    leaf.register_post_accumulate_grad_hook(lambda p: calls.append("hook") or returns(p))
+    with pytest.raises(error, match=re.escape(message)):
+        (leaf * leaf).sum().backward()
+    assert calls == ["hook"]
+    assert torch.equal(leaf.grad, torch.full((2, 3), 2.0))  # accumulated before the hook ran

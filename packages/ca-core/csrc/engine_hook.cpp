@@ -959,23 +959,47 @@ nb::object call_first(BackwardRun& run) {
 
 /// Removes the tag ca_runtime's graph put on the pending exception if a
 /// user's hook or Function raised it, so that it reaches the user exactly as
-/// eager raised it; see [Note: User errors are tagged] in ca_runtime. Only
-/// called on the error path.
+/// eager raised it; see [Note: User errors are tagged] in ca_runtime. An
+/// untagged exception whose __context__ chain holds a tagged one replaced
+/// the user's on its way out of the graph (a @contextmanager's __exit__ sets
+/// __traceback__ through a setattr the user's exception class may refuse):
+/// the user's becomes the pending one again, as ca_runtime's
+/// user_error_behind does on a first run. Only called on the error path.
 void untag_user_error() {
   PyObject* type = nullptr;
   PyObject* value = nullptr;
   PyObject* traceback = nullptr;
   PyErr_Fetch(&type, &value, &traceback);
   PyErr_NormalizeException(&type, &value, &traceback);
-  if (value != nullptr && PyObject_HasAttrString(value, "__ca_user_error__")) {
-    // Generic deletion, past a class's own __delattr__ (a frozen exception
-    // class refuses it; ca_runtime set the tag the same way).
-    PyObject* name = PyUnicode_FromString("__ca_user_error__");
-    if (name == nullptr || PyObject_GenericSetAttr(value, name, nullptr) != 0) {
-      PyErr_Clear();
+  constexpr int kContextDepth = 8;  // as user_error_behind's
+  PyObject* current = value;
+  Py_XINCREF(current);
+  for (int depth = 0; current != nullptr && depth < kContextDepth; ++depth) {
+    if (PyObject_HasAttrString(current, "__ca_user_error__")) {
+      // Generic deletion, past a class's own __delattr__ (a frozen exception
+      // class refuses it; ca_runtime set the tag the same way).
+      PyObject* name = PyUnicode_FromString("__ca_user_error__");
+      if (name == nullptr || PyObject_GenericSetAttr(current, name, nullptr) != 0) {
+        PyErr_Clear();
+      }
+      Py_XDECREF(name);
+      if (current != value) {
+        Py_XDECREF(type);
+        Py_XDECREF(value);
+        Py_XDECREF(traceback);
+        type = reinterpret_cast<PyObject*>(Py_TYPE(current));
+        Py_INCREF(type);
+        traceback = PyException_GetTraceback(current);  // new reference or null
+        value = current;
+        Py_INCREF(value);
+      }
+      break;
     }
-    Py_XDECREF(name);
+    PyObject* context = PyException_GetContext(current);  // new reference or null
+    Py_DECREF(current);
+    current = context;
   }
+  Py_XDECREF(current);
   PyErr_Restore(type, value, traceback);
 }
 

@@ -564,38 +564,48 @@ class _FrozenError(Exception):
         raise AttributeError(f"_FrozenError refuses {name}")
 
 
-def test_a_users_exception_that_refuses_attributes_propagates_as_itself() -> None:
+@pytest.mark.parametrize("compiler", ["graph-as-is", "eager", "aot_eager"])
+@pytest.mark.parametrize("graph_break", [False, True], ids=["whole", "after-a-graph-break"])
+def test_a_users_exception_that_refuses_attributes_propagates_as_itself(
+    compiler: str, graph_break: bool
+) -> None:
     """See [Note: User errors are tagged]: the tag goes past its __setattr__, the hook runs once a backward.
 
-    With the compiler ``lambda gm: gm``: under Dynamo, torch's own frame
-    evaluation sets ``__traceback__`` on an exception leaving a compiled frame
-    (contextlib), which such a class refuses, as it does for any
-    ``torch.compile``d function.
+    Under Dynamo, an exception leaving its frame passes a ``@contextmanager``
+    whose ``__exit__`` sets ``__traceback__``, which such a class refuses: the
+    AttributeError that replaces it has the user's exception as its context,
+    and the user's is raised, as eager raises it (on the first run and on hits).
     """
-    calls: list[int] = []
+    calls: list[str] = []
 
-    def step(i: int) -> tuple[str, int]:
+    def step(i: int) -> tuple[str, list[str]]:
+        calls.clear()
         x = torch.ones(3, requires_grad=True)
         y = x * 2
 
         def hook(g: torch.Tensor) -> torch.Tensor:
-            calls.append(i)
+            calls.append(f"y{i}")
             if i % 2 == 0:
                 raise _FrozenError("a user's frozen error")
             return g
 
         y.register_hook(hook)
+        z = y * 3
+        if graph_break:
+            z.retain_grad()  # run eagerly behind a graph break, before y's hook
+        z.register_hook(lambda g: calls.append(f"z{i}") or g)
         try:
-            (y * y).sum().backward()
+            (z * z).sum().backward()
             error = "none"
         except Exception as e:
             error = f"{type(e).__name__}: {e}"
-        return error, len(calls)
+        return error, list(calls)
 
-    result = compare(lambda i: (calls.clear(), step(i))[1], lambda gm: gm, steps=4)
+    result = compare(step, (lambda gm: gm) if compiler == "graph-as-is" else compiler, steps=4)
     result.assert_ok()
     assert result.stats["captures"] == 1 and result.stats["cache_hits"] == 3
     assert result.stats["eager_fallbacks"] == 0
+    assert result.stats["graph_breaks"] == (1 if graph_break else 0)
 
 
 #: Hooks that return what eager refuses: (where it is registered, what it returns).

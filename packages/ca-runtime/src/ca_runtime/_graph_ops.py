@@ -82,9 +82,9 @@ __all__ = [
     "call_unpack_hooks_eager",
     "call_user",
     "materialize_grad",
-    "raised_by_user_code",
     "unwrap_size",
     "user_error",
+    "user_error_behind",
     "validate_outputs",
 ]
 
@@ -125,13 +125,30 @@ def _tag_if_real(error: Exception, tensors: Sequence[torch.Tensor | None]) -> No
         _tag(error)
 
 
-def raised_by_user_code(error: BaseException) -> bool:
-    """Whether ``error`` passed a user's callable in the graph; removes the tag."""
-    if getattr(error, USER_ERROR_TAG, False) is not True:
-        return False
-    with contextlib.suppress(AttributeError):
-        object.__delattr__(error, USER_ERROR_TAG)  # past a class's own __delattr__, as it was set
-    return True
+#: How far along ``__context__`` user_error_behind looks.
+_CONTEXT_DEPTH = 8
+
+
+def user_error_behind(error: BaseException) -> BaseException | None:
+    """The user's exception that ``error`` is, or that it replaced on its way out of the graph; its tag removed.
+
+    See [Note: User errors are tagged]: an exception whose ``__context__``
+    chain holds a tagged one was raised while the user's propagated (no
+    user code runs in the graph after its callable raised), by machinery
+    around the graph: a ``@contextmanager``'s ``__exit__`` (Dynamo's) sets
+    ``__traceback__`` through ``setattr``, which a user's exception class
+    may refuse. Eager raises the user's exception itself.
+    """
+    current: BaseException | None = error
+    for _ in range(_CONTEXT_DEPTH):
+        if current is None:
+            return None
+        if getattr(current, USER_ERROR_TAG, False) is True:
+            with contextlib.suppress(AttributeError):
+                object.__delattr__(current, USER_ERROR_TAG)  # past a class's own __delattr__, as it was set
+            return current
+        current = current.__context__
+    return None
 
 
 @torch.compiler.allow_in_graph
@@ -386,8 +403,13 @@ def accumulate_leaf(
     else:
         torch.ops.inductor.accumulate_grad_.default(variable, current, grad)
     for hook in hooks:
-        if call_user(hook, variable) is not None:
-            raise user_error(RuntimeError("Tensor post accumulate grad hooks should return None."))
+        result = call_user(hook, variable)
+        if result is None:
+            continue
+        # Eager's order of checks (python_hook.cpp): a value is a tensor first, then None.
+        if not isinstance(result, torch.Tensor):
+            raise user_error(TypeError(f"expected Variable, but hook returned '{type(result).__name__}'"))
+        raise user_error(RuntimeError("Tensor post accumulate grad hooks should return None."))
 
 
 # [Note: A leaf's grad is added to in place]

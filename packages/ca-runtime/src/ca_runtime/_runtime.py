@@ -73,7 +73,7 @@ from ca_runtime._background import compiles_done, take_started
 from ca_runtime._capture import UnsupportedNode, build_graph_module
 from ca_runtime._compiler_key import compiler_name, note_first_capture
 from ca_runtime._dynamo_direct import wrap_if_dynamo_module
-from ca_runtime._graph_ops import call_user, raised_by_user_code
+from ca_runtime._graph_ops import call_user, user_error_behind
 from ca_runtime._inductor_buffer_reuse import peak_keeping_reuse
 from ca_runtime._inductor_passes import MULTIPLY_OUT_ADD_ALPHA, UNFUSE_LATE_ADDMM
 from ca_runtime._log import (
@@ -762,8 +762,11 @@ class Runtime:
                 raise failed
             self._check_outputs(outputs, num_outputs)
         except Exception as e:
-            if raised_by_user_code(e):  # see [Note: User errors are tagged] in _graph_ops.py
+            user_error = user_error_behind(e)  # see [Note: User errors are tagged] in _graph_ops.py
+            if user_error is e:
                 raise
+            if user_error is not None:
+                raise user_error from None
             # ca_core runs this backward eagerly and calls report_fallback only
             # if eager succeeds (see [Note: Whose failure] in ca_core).
             self.last_failure = (
