@@ -45,7 +45,8 @@ struct FunctionInfo {
   /// value per forward input; only tensors' grads flow on).
   std::vector<bool> is_variable_input;
   /// Per node input: zeros to pass when the grad is undefined, or None to
-  /// pass None (ctx.set_materialize_grads(False), non-differentiable output).
+  /// pass None (ctx.set_materialize_grads(False), non-differentiable or
+  /// non-tensor output).
   std::vector<std::optional<ZerosSpec>> materialize;
   /// The ctx object itself (capture reads its Function class, e.g. the AOT
   /// backward graph of a torch.compile'd region; see [Note: AOT backwards]).
@@ -235,13 +236,15 @@ std::optional<FunctionInfo> describe_function(
   for (size_t i = 0; i < num_inputs && i < f->output_info.size(); ++i) {
     const uint32_t first_size = next_size;
     next_size += static_cast<uint32_t>(f->output_info[i].size.size());
-    const bool keep_undefined = !f->materialize_grads ||
+    const auto& out = f->output_info[i];
+    // A non-tensor output's VariableInfo is empty: eager's zeros() for it is
+    // an undefined tensor, so its backward gets None there too.
+    const bool keep_undefined = !f->materialize_grads || out.is_empty ||
         (py_node->input_metadata(i).was_default_constructed() &&
          !f->materialize_non_diff_grads);
     if (keep_undefined) {
       continue;
     }
-    const auto& out = f->output_info[i];
     ZerosSpec spec;
     for (const auto& s : out.size) {
       spec.shape.push_back(s.guard_int(__FILE__, __LINE__));

@@ -326,6 +326,35 @@ def test_once_differentiable_and_materialized_grads(backend: str) -> None:
     assert result.stats["eager_fallbacks"] == 0
 
 
+class _WithANonTensorOutput(torch.autograd.Function):
+    """Returns a tensor and the non-tensor it was given; its backward records the grad it gets for each."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, tag: object) -> tuple[torch.Tensor, object]:
+        return x * 2, tag
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor, grad_of_tag: Any) -> tuple[torch.Tensor, None]:
+        _calls.append(f"grads {type(grad).__name__} {grad_of_tag!r}")
+        return grad * 2, None
+
+
+def test_a_non_tensor_outputs_grad_is_none(backend: str) -> None:
+    """Eager's zeros for an undefined grad are none for a non-tensor output (its VariableInfo is empty)."""
+    (x,) = _leaves((3,))
+
+    def step() -> list[str]:
+        _calls.clear()
+        y, _tag = _WithANonTensorOutput.apply(x * 1.0, "a tag")
+        y.sum().backward()
+        return list(_calls)
+
+    result = compare(step, backend, tensors=[x], steps=3)
+    result.assert_ok()  # "grads Tensor None" each step, not a zero tensor for the tag
+    # x.grad None, then defined: two keys.
+    assert result.stats["captures"] == 2 and result.stats["cache_hits"] == 1
+
+
 @pytest.mark.inductor
 def test_python_function_inductor() -> None:
     x, w = _leaves((4,), (4,))
