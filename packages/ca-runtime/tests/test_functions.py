@@ -289,6 +289,53 @@ def test_ctx_dies_with_its_output_after_a_capturing_backward(backend: str) -> No
     assert gc.get_freeze_count() == frozen_before
 
 
+_LOG_KEPT_ACROSS_STEPS: list[int] = []
+
+
+class _AppendsToAGlobalLog(torch.autograd.Function):
+    """Its backward appends to a list kept across steps: Dynamo guards the list's length and recompiles each hit."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, payload: object) -> torch.Tensor:
+        ctx.payload = payload
+        return x * 2
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        _LOG_KEPT_ACROSS_STEPS.append(1)
+        return grad * 2, None
+
+
+class _Payload:
+    pass
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_ctx_dies_with_its_output_after_a_hit_that_dynamo_recompiles(backend: str) -> None:
+    """See [Note: Dynamo's tracing cycles]: a recompile on a hit keeps no ctx alive either."""
+    (x,) = _leaves((3,))
+    _LOG_KEPT_ACROSS_STEPS.clear()
+
+    def step(i: int) -> bool:
+        x.grad = None
+        payload = _Payload()
+        alive = weakref.ref(payload)
+        y = _AppendsToAGlobalLog.apply(x * 1.5, payload)
+        del payload
+        y.sum().backward()
+        del y
+        return alive() is None
+
+    frozen_before = gc.get_freeze_count()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Dynamo's recompile warnings
+        result = compare(step, backend, tensors=[x], steps=3)
+    result.assert_ok()
+    assert result.stats["captures"] == 1 and result.stats["cache_hits"] == 2
+    assert gc.get_freeze_count() == frozen_before
+    assert len(_LOG_KEPT_ACROSS_STEPS) == 6  # each backward ran it, eagerly and compiled
+
+
 def test_python_function_float_changes_between_steps(backend: str) -> None:
     x, w = _leaves((4,), (4,))
 

@@ -100,8 +100,11 @@ checks each condition above sends the call the normal way.
 
 from __future__ import annotations
 
+import contextlib
 import dis
+import gc
 import types
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -111,6 +114,7 @@ from ca_runtime._graph_ops import USER_ERROR_TAG
 from ca_runtime._log import EagerFallbackWarning, describe_error, log, warn_at_user_line
 from ca_runtime._torch_interop import (
     bump_dynamo_generation,
+    clear_finished_tracked_fakes,
     compiled_frame_id,
     dynamo_cache_entries,
     dynamo_wrappers_inert,
@@ -123,6 +127,7 @@ from ca_runtime._torch_interop import (
 
 __all__ = [
     "DirectDynamoCall",
+    "collecting_tracing_cycles",
     "direct_calls",
     "wrap_if_dynamo_module",
 ]
@@ -194,6 +199,39 @@ def _runs_one_graph(code: types.CodeType) -> bool:
     return graphs == 1 and calls == graphs + helpers
 
 
+# [Note: Dynamo's tracing cycles]
+# A lazy compiler (torch.compile) traces our graph on its first run, and
+# Dynamo's tracing state is a web of reference cycles (translator, output
+# graph, VariableTrackers) that holds the real objects it saw: a Function's
+# ctx, hooks, the lifted tensors. Eager frees a ctx when its output dies; after
+# a capturing backward it would live until the next full collection, which can
+# be far away. A full gc.collect() costs ~0.2 s in a process with torch loaded,
+# so the first run instead freezes every object that exists before it
+# (gc.freeze moves them to the permanent generation, O(1)), collects what the
+# run created (milliseconds; with the ShapeEnvs of its finished compiles let
+# go of their fakes first), and unfreezes. A hit whose call Dynamo
+# recompiles (no cached entry's guards pass: a hook's global list grew, a
+# closure value changed) does the same (DirectDynamoCall.__call__), so that
+# what that trace saw dies with its output as on the first run. A program
+# that freezes objects itself (gc.get_freeze_count() > 0) or has turned gc
+# off is left alone.
+@contextlib.contextmanager
+def collecting_tracing_cycles() -> Iterator[None]:
+    if gc.get_freeze_count() or not gc.isenabled():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        try:
+            # See [Note: Fakes a finished compile still tracks] in _torch_interop.py.
+            clear_finished_tracked_fakes(gc.get_objects())
+            gc.collect()
+        finally:
+            gc.unfreeze()
+
+
 class DirectDynamoCall:
     """``compiled``, an ``OptimizedModule`` of ``gm``, called through Dynamo's cache directly.
 
@@ -207,6 +245,7 @@ class DirectDynamoCall:
         "_frame_id",
         "_functions",
         "_globals",
+        "_guards_passed",
         "_later_frames_failed",
         "_ran_once",
         "_recompile_failed",
@@ -242,6 +281,9 @@ class DirectDynamoCall:
         self._later_frames_failed = False
         #: The compile id of the entry ``_find`` found last (for the profiler's range).
         self._found_compile_id: Any = None
+        #: Whether an entry's guards passed in ``_find``'s last look: if none
+        #: did, the normal call makes Dynamo compile the graph again.
+        self._guards_passed = False
 
     def _function_for(self, code: types.CodeType) -> types.FunctionType | None:
         known = self._functions.get(id(code))
@@ -258,6 +300,7 @@ class DirectDynamoCall:
 
         Its entry's compile id is left in ``_found_compile_id`` (no tuple per hit).
         """
+        self._guards_passed = False
         for entry in dynamo_cache_entries(self._code):
             # Read at once: the entry is Dynamo's C++ object, which a reset on
             # another thread could free. No object of ours is made per entry:
@@ -274,7 +317,10 @@ class DirectDynamoCall:
                 passed = guards.check(frame_locals)
             except Exception:  # noqa: BLE001 - Dynamo's own call reports a guard error
                 return None
-            function = self._function_for(code) if passed else None
+            if not passed:
+                continue
+            self._guards_passed = True
+            function = self._function_for(code)
             if function is not None:
                 self._found_compile_id = compile_id
                 return function
@@ -309,6 +355,10 @@ class DirectDynamoCall:
                     # one-time patch; see _torch_interop's _COMPILE_ONLY_HOOKS.
                     bump_dynamo_generation()
                     return function(self.gm, inputs, sizes, scalars, hooks)
+            if self._ran_once and not self._guards_passed:
+                # Dynamo compiles again; see [Note: Dynamo's tracing cycles].
+                with collecting_tracing_cycles():
+                    return self._dynamo_call(inputs, sizes, scalars, hooks)
         return self._dynamo_call(inputs, sizes, scalars, hooks)
 
     def _dynamo_call(self, inputs: list[Any], sizes: list[Any], scalars: list[Any], hooks: list[Any]) -> Any:

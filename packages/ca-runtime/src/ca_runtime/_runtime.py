@@ -55,7 +55,6 @@ from __future__ import annotations
 import contextlib
 import dis
 import functools
-import gc
 import inspect
 import logging
 import sys
@@ -72,7 +71,7 @@ from ca_runtime._aot import is_aot_backward
 from ca_runtime._background import compiles_done, take_started
 from ca_runtime._capture import UnsupportedNode, build_graph_module
 from ca_runtime._compiler_key import compiler_name, note_first_capture
-from ca_runtime._dynamo_direct import wrap_if_dynamo_module
+from ca_runtime._dynamo_direct import collecting_tracing_cycles, wrap_if_dynamo_module
 from ca_runtime._graph_ops import call_user, user_error_behind
 from ca_runtime._inductor_buffer_reuse import peak_keeping_reuse
 from ca_runtime._inductor_passes import MULTIPLY_OUT_ADD_ALPHA, UNFUSE_LATE_ADDMM
@@ -90,7 +89,6 @@ from ca_runtime._state import STATE
 from ca_runtime._torch_interop import (
     FakeBackwardCFunction,
     call_backward,
-    clear_finished_tracked_fakes,
     compiles_with_dynamo_eager,
     forget_metric_stacks,
     forget_sources_with,
@@ -196,35 +194,6 @@ def _compiled_form(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 # outside one never sees batched tensors; the walk's reading, the one that
 # key holds, is ``BackwardGraph.inside_a_vmap``, and it is the only one the
 # capture reads (the CopySlices row of _node_rules.py too).
-
-
-# [Note: Dynamo's tracing cycles]
-# A lazy compiler (torch.compile) traces our graph on its first run, and
-# Dynamo's tracing state is a web of reference cycles (translator, output
-# graph, VariableTrackers) that holds the real objects it saw: a Function's
-# ctx, hooks, the lifted tensors. Eager frees a ctx when its output dies; after
-# a capturing backward it would live until the next full collection, which can
-# be far away. A full gc.collect() costs ~0.2 s in a process with torch loaded,
-# so the first run instead freezes every object that exists before it
-# (gc.freeze moves them to the permanent generation, O(1)), collects what the
-# run created (milliseconds; with the ShapeEnvs of its finished compiles let
-# go of their fakes first), and unfreezes. A program that freezes objects
-# itself (gc.get_freeze_count() > 0) or has turned gc off is left alone.
-@contextlib.contextmanager
-def _collecting_tracing_cycles() -> Iterator[None]:
-    if gc.get_freeze_count() or not gc.isenabled():
-        yield
-        return
-    gc.freeze()
-    try:
-        yield
-    finally:
-        try:
-            # See [Note: Fakes a finished compile still tracks] in _torch_interop.py.
-            clear_finished_tracked_fakes(gc.get_objects())
-            gc.collect()
-        finally:
-            gc.unfreeze()
 
 
 # [Note: Inductor options for backward graphs]
@@ -743,7 +712,7 @@ class Runtime:
         # See [Note: Dynamo's tracing cycles] and, in _torch_interop.py,
         # [Note: Warnings while Dynamo traces].
         with (
-            _collecting_tracing_cycles(),
+            collecting_tracing_cycles(),
             warnings_ignored_while_dynamo_compiles(),
             _backward_inductor_options(),
             sources_made() as sources,  # Dynamo's graphs, made by a lazy compiler now
