@@ -102,6 +102,7 @@ from __future__ import annotations
 
 import contextlib
 import dis
+import enum
 import gc
 import types
 from collections.abc import Iterator
@@ -212,7 +213,9 @@ def _runs_one_graph(code: types.CodeType) -> bool:
 # go of their fakes first), and unfreezes. A hit whose call Dynamo
 # recompiles (no cached entry's guards pass: a hook's global list grew, a
 # closure value changed) does the same (DirectDynamoCall.__call__), so that
-# what that trace saw dies with its output as on the first run. A program
+# what that trace saw dies with its output as on the first run; past
+# Dynamo's recompile limit, or after a recompile failed, nothing is traced
+# and a hit pays nothing for this. A program
 # that freezes objects itself (gc.get_freeze_count() > 0) or has turned gc
 # off is left alone.
 @contextlib.contextmanager
@@ -232,6 +235,15 @@ def collecting_tracing_cycles() -> Iterator[None]:
             gc.unfreeze()
 
 
+class _NotFound(enum.Enum):
+    """Why ``DirectDynamoCall._find`` has no transformed code to run directly."""
+
+    #: Entries passed their guards but none is direct-callable (or a guard raised): Dynamo's call runs one.
+    NOT_DIRECT = enum.auto()
+    #: No entry's guards pass: Dynamo's call compiles the frame again, up to its recompile limit.
+    NO_ENTRY_PASSED = enum.auto()
+
+
 class DirectDynamoCall:
     """``compiled``, an ``OptimizedModule`` of ``gm``, called through Dynamo's cache directly.
 
@@ -245,7 +257,6 @@ class DirectDynamoCall:
         "_frame_id",
         "_functions",
         "_globals",
-        "_guards_passed",
         "_later_frames_failed",
         "_ran_once",
         "_recompile_failed",
@@ -281,9 +292,6 @@ class DirectDynamoCall:
         self._later_frames_failed = False
         #: The compile id of the entry ``_find`` found last (for the profiler's range).
         self._found_compile_id: Any = None
-        #: Whether an entry's guards passed in ``_find``'s last look: if none
-        #: did, the normal call makes Dynamo compile the graph again.
-        self._guards_passed = False
 
     def _function_for(self, code: types.CodeType) -> types.FunctionType | None:
         known = self._functions.get(id(code))
@@ -295,12 +303,12 @@ class DirectDynamoCall:
         self._functions[id(code)] = (code, function)
         return function
 
-    def _find(self, frame_locals: dict[str, Any]) -> types.FunctionType | None:
-        """The transformed code to run for ``frame_locals``, as the Note says, or None (call Dynamo).
+    def _find(self, frame_locals: dict[str, Any]) -> types.FunctionType | _NotFound:
+        """The transformed code to run for ``frame_locals``, as the Note says, or why there is none (call Dynamo).
 
         Its entry's compile id is left in ``_found_compile_id`` (no tuple per hit).
         """
-        self._guards_passed = False
+        passed_any = False
         for entry in dynamo_cache_entries(self._code):
             # Read at once: the entry is Dynamo's C++ object, which a reset on
             # another thread could free. No object of ours is made per entry:
@@ -316,15 +324,15 @@ class DirectDynamoCall:
             try:
                 passed = guards.check(frame_locals)
             except Exception:  # noqa: BLE001 - Dynamo's own call reports a guard error
-                return None
+                return _NotFound.NOT_DIRECT
             if not passed:
                 continue
-            self._guards_passed = True
+            passed_any = True
             function = self._function_for(code)
             if function is not None:
                 self._found_compile_id = compile_id
                 return function
-        return None
+        return _NotFound.NOT_DIRECT if passed_any else _NotFound.NO_ENTRY_PASSED
 
     def __call__(self, inputs: list[Any], sizes: list[Any], scalars: list[Any], hooks: list[Any]) -> Any:
         if dynamo_wrappers_inert():
@@ -340,7 +348,7 @@ class DirectDynamoCall:
                 # call shows "TorchDynamo Cache Lookup" for the first.
                 with torch.autograd.profiler.record_function("ca: Dynamo guard check"):
                     function = self._find(frame_locals)
-                if function is not None:
+                if not isinstance(function, _NotFound):
                     _COUNTS.direct_calls += 1
                     bump_dynamo_generation()
                     with torch.autograd.profiler.record_function(
@@ -349,17 +357,29 @@ class DirectDynamoCall:
                         return function(self.gm, inputs, sizes, scalars, hooks)
             else:
                 function = self._find(frame_locals)
-                if function is not None:
+                if not isinstance(function, _NotFound):
                     _COUNTS.direct_calls += 1
                     # What Dynamo's per-call enter hook does besides its
                     # one-time patch; see _torch_interop's _COMPILE_ONLY_HOOKS.
                     bump_dynamo_generation()
                     return function(self.gm, inputs, sizes, scalars, hooks)
-            if self._ran_once and not self._guards_passed:
-                # Dynamo compiles again; see [Note: Dynamo's tracing cycles].
+            if function is _NotFound.NO_ENTRY_PASSED and self._dynamo_traces_again():
+                # See [Note: Dynamo's tracing cycles].
                 with collecting_tracing_cycles():
                     return self._dynamo_call(inputs, sizes, scalars, hooks)
         return self._dynamo_call(inputs, sizes, scalars, hooks)
+
+    def _dynamo_traces_again(self) -> bool:
+        """Whether a call that no cached entry's guards pass makes Dynamo trace the graph's frame again.
+
+        After the first run, unless a recompile failed (the graph then runs
+        uncompiled) or the frame has as many entries as Dynamo's recompile
+        limit (Dynamo then runs it without tracing). Read off the hit's fast
+        path only.
+        """
+        if not self._ran_once or self._recompile_failed:
+            return False
+        return len(dynamo_cache_entries(self._code)) < torch._dynamo.config.recompile_limit
 
     def _dynamo_call(self, inputs: list[Any], sizes: list[Any], scalars: list[Any], hooks: list[Any]) -> Any:
         """The OptimizedModule called as Dynamo calls it; see the Notes above for its failures."""
