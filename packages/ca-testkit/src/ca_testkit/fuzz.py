@@ -679,11 +679,11 @@ def check_program(
 
 def _registering_hook_runs(program: Program) -> bool:
     """Whether some variant's backward calls a ``register_on_operand`` hook (its log names it)."""
+    names = {f"h{k}" for k, step in enumerate(program.steps) if step.hook in COMBINED_HOOKS}
     for index, variant in enumerate(program.variants):
         if not variant.hooks or not _runs_a_backward(program, index):
             continue
         _, log = run_program(program, index)
-        names = {f"h{k}" for k, step in enumerate(program.steps) if step.hook in COMBINED_HOOKS}
         if any(entry.split()[0] in names for entry in log):
             return True
     return False
