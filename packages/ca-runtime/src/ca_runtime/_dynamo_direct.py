@@ -118,6 +118,7 @@ from ca_runtime._torch_interop import (
     clear_finished_tracked_fakes,
     compiled_frame_id,
     dynamo_cache_entries,
+    dynamo_recompile_limit,
     dynamo_wrappers_inert,
     failed_compile_frame_id,
     is_plain_torch_compile_of,
@@ -379,7 +380,7 @@ class DirectDynamoCall:
         """
         if not self._ran_once or self._recompile_failed:
             return False
-        return len(dynamo_cache_entries(self._code)) < torch._dynamo.config.recompile_limit
+        return len(dynamo_cache_entries(self._code)) < dynamo_recompile_limit()
 
     def _dynamo_call(self, inputs: list[Any], sizes: list[Any], scalars: list[Any], hooks: list[Any]) -> Any:
         """The OptimizedModule called as Dynamo calls it; see the Notes above for its failures."""

@@ -114,8 +114,9 @@ Used through this module:
      ``torch._C._DisableAutocast``, autocast off as in Dynamo's own compiles.
   23. Dynamo's cache entries of a code (``_debug_get_cache_entry_list``, an
      entry's ``backend``, ``guard_manager.check``, ``code`` and
-     ``compile_id``) and the backend they are stored with
-     (``innermost_backend`` of an ``OptimizedModule``'s context callback):
+     ``compile_id``), the backend they are stored with
+     (``innermost_backend`` of an ``OptimizedModule``'s context callback)
+     and how many a code may have (``torch._dynamo.config.recompile_limit``):
      ``DirectDynamoCall`` looks a graph up as Dynamo's lookup does; see
      [Note: Calling Dynamo's cached code directly] in _dynamo_direct.py.
   24. What Dynamo's wrappers around an ``OptimizedModule`` call do, which a
@@ -243,6 +244,7 @@ __all__ = [
     "dynamo_cache_entries",
     "dynamo_compile_lock",
     "dynamo_context_backend",
+    "dynamo_recompile_limit",
     "dynamo_skips",
     "dynamo_wrappers_inert",
     "excluded_dispatch_keys",
@@ -1075,6 +1077,12 @@ def dynamo_cache_entries(code: types.CodeType) -> list[Any]:
     """
     entries: list[Any] = _debug_get_cache_entry_list(code)
     return entries
+
+
+def dynamo_recompile_limit() -> int:
+    """23. How many cache entries Dynamo compiles for one code before it runs that code without tracing."""
+    limit: int = torch._dynamo.config.recompile_limit
+    return limit
 
 
 def optimized_module_backend(compiled: Any) -> object:
