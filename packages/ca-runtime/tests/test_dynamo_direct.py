@@ -14,6 +14,7 @@ from typing import Any
 import ca_runtime
 import pytest
 import torch
+from ca_runtime import _torch_interop
 from ca_runtime._dynamo_direct import DirectDynamoCall, _runs_one_graph, direct_calls, wrap_if_dynamo_module
 from ca_testkit import compare
 from ca_testkit.scenarios import batch, make_mlp, mlp_step
@@ -481,6 +482,38 @@ def test_a_hook_whose_own_frame_fails_to_compile_on_the_first_run_runs_uncompile
     assert result.stats["eager_fallbacks"] == 0
     warned = [w for w in recwarn if "behind a Dynamo graph break failed" in str(w.message)]
     assert len(warned) == 1 and "backend broke" in str(warned[0].message)
+
+
+def test_a_hook_reading_a_grad_whose_layout_changes_between_steps_stays_compiled(
+    backend: str, recwarn: pytest.WarningsRecorder
+) -> None:
+    """See [Note: Later frames keep static strides]: a post-accumulate-grad hook behind a Dynamo graph
+    break (``.item()``) reads ``p.grad``, which the step then points at a strided view. Dynamo's
+    automatic dynamic stride failed to guard it (IndexError, so the hook ran uncompiled with
+    aot_eager; with a warm Inductor cache, code for the old stride ran and asserted)."""
+    p = torch.ones(2, 2, requires_grad=True)
+    q = torch.full((2, 2), 0.5)
+    sums: list[float] = []
+
+    def hook(param: torch.Tensor) -> None:
+        sums.append(param.grad.sum().item())
+
+    p.register_post_accumulate_grad_hook(hook)
+
+    def step(i: int) -> list[Any]:
+        sums.clear()
+        (p * q * (i + 1)).sum().backward()
+        grad = p.grad.clone()
+        p.grad.set_(torch.zeros(4, 2)[::2])  # the same .grad object, now strided
+        return [list(sums), grad]
+
+    result = compare(step, backend, tensors=[p], steps=4)
+    result.assert_ok()
+    assert result.stats["captures"] == 2 and result.stats["cache_hits"] == 2, result.stats
+    assert result.stats["eager_fallbacks"] == 0 and result.stats["uncompiled_runs"] == 0, result.stats
+    assert not [w for w in recwarn if "ca_runtime" in str(w.message)]
+    # The hook's frame compiled once per layout it saw (contiguous, strided), both kept.
+    assert len(_torch_interop.dynamo_cache_entries(hook.__code__)) == 2
 
 
 def test_a_resume_frame_that_fails_on_the_first_run_does_not_run_hooks_twice(

@@ -10,9 +10,9 @@ import ca_runtime
 import pytest
 import torch
 from ca_runtime import _inductor_buffer_reuse
+from ca_runtime._backward_inductor_options import BACKWARD_INDUCTOR_OPTIONS
 from ca_runtime._inductor_buffer_reuse import keeps_peak
 from ca_runtime._inductor_passes import MULTIPLY_OUT_ADD_ALPHA, UNFUSE_LATE_ADDMM
-from ca_runtime._runtime import BACKWARD_INDUCTOR_OPTIONS
 from ca_runtime._torch_interop import InductorReuseCandidate
 from ca_testkit import compare
 from ca_testkit.memory import backward_tensor_peak_bytes
@@ -134,13 +134,16 @@ def test_an_adds_alpha_beside_an_mm_is_multiplied_out(mm_first: bool) -> None:
 @pytest.mark.inductor
 def test_an_sgd_step_with_alpha_in_a_post_accumulate_grad_hook_moves_the_weight_as_eager() -> None:
     """Found by trying issue 36's optimizer-in-backward: Inductor's add-of-an-mm pattern dropped the step's alpha,
-    moving the weight by +grad instead of -0.01 * grad (see [Note: An add's alpha beside an mm])."""
+    moving the weight by +grad instead of -lr * grad (see [Note: An add's alpha beside an mm]). The learning
+    rate changes on the third step, where Dynamo recompiles during a hit: that compile dropped it too, until it
+    got the backward options (see [Note: Compiles during a hit keep the backward options])."""
     torch.manual_seed(1)
     w1, w2, x = torch.randn(16, 32), torch.randn(32, 4), torch.randn(8, 16)
+    lr = [0.01]
 
     def sgd(p: torch.Tensor) -> None:
         with torch.no_grad():
-            p.add_(p.grad, alpha=-0.01)
+            p.add_(p.grad, alpha=-lr[0])
         p.grad = None
 
     params = [w1.clone().requires_grad_(), w2.clone().requires_grad_()]
@@ -148,12 +151,40 @@ def test_an_sgd_step_with_alpha_in_a_post_accumulate_grad_hook_moves_the_weight_
         p.register_post_accumulate_grad_hook(sgd)
 
     def step(i: int) -> list[torch.Tensor]:
+        lr[0] = 0.01 if i < 2 else 0.005
         (x @ params[0]).sigmoid().matmul(params[1]).pow(2).sum().backward()
         return [p.detach().clone() for p in params]
 
     result = compare(step, "inductor", steps=3, tensors=params, rtol=1e-5, atol=1e-5)
     result.assert_ok()
-    assert result.stats["captures"] >= 1 and result.stats["eager_fallbacks"] == 0
+    assert result.stats["captures"] == 1 and result.stats["cache_hits"] == 2, result.stats
+    assert result.stats["eager_fallbacks"] == 0 and result.stats["uncompiled_runs"] == 0, result.stats
+
+
+def test_a_compile_during_a_hit_gets_the_options() -> None:
+    """See [Note: Compiles during a hit keep the backward options]: a hook's closure float changes, Dynamo
+    recompiles the graph during the hit, with the same options as the first compile; a hit that compiles
+    nothing leaves Inductor's config as it was."""
+    model = make_mlp()
+    seen: list[dict[str, Any]] = []
+    scale = [2.0]
+    step = mlp_step(model)
+
+    def scaled_step(i: int) -> Any:
+        scale[0] = 2.0 if i < 2 else 3.0
+        handle = model[0].weight.register_hook(lambda grad: grad * scale[0])
+        try:
+            return step(i)
+        finally:
+            handle.remove()
+
+    result = compare(scaled_step, _recording_compiler(seen), tensors=model, steps=4)
+    result.assert_ok()
+    assert result.stats["captures"] == 1 and result.stats["cache_hits"] == 3, result.stats
+    assert result.stats["eager_fallbacks"] == 0 and result.stats["uncompiled_runs"] == 0, result.stats
+    assert seen == [BACKWARD_INDUCTOR_OPTIONS, BACKWARD_INDUCTOR_OPTIONS]
+    assert torch._inductor.config.reorder_for_locality is True
+    assert torch._inductor.config._is_default("reorder_for_locality")
 
 
 def _zeroed_forward_and_step(model: torch.nn.Module, tokens: torch.Tensor) -> tuple[Any, Any]:
@@ -222,7 +253,9 @@ def test_a_tied_heads_backward_with_inductor_frees_the_logits_grad_early(
     with ca_runtime.disable():
         eager, _ = backward_tensor_peak_bytes(forward)
     with_options = ours_peak()
-    monkeypatch.setattr(ca_runtime._runtime, "BACKWARD_INDUCTOR_OPTIONS", {"reorder_for_locality": False})
+    monkeypatch.setattr(
+        ca_runtime._backward_inductor_options, "BACKWARD_INDUCTOR_OPTIONS", {"reorder_for_locality": False}
+    )
     without = ours_peak()
     logits_grad = 8 * 64 * 256 * 4
     assert with_options <= eager * 1.1 and with_options <= without - logits_grad, (
@@ -469,7 +502,9 @@ def test_a_decoders_peak_stays_at_eagers_with_our_reuse_and_not_with_inductors_o
         with torch._functorch.config.patch(enable_autograd_cache=False):
             ours = peak()
             monkeypatch.setattr(
-                ca_runtime._runtime, "peak_keeping_reuse", lambda applies: contextlib.nullcontext()
+                ca_runtime._backward_inductor_options,
+                "peak_keeping_reuse",
+                lambda applies: contextlib.nullcontext(),
             )
             inductors = peak()
     finally:

@@ -6,9 +6,11 @@ behaviour test does.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import warnings
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -395,7 +397,7 @@ def test_18_a_later_frame_that_fails_to_compile_runs_uncompiled(caplog: pytest.L
 
     errors: list[BaseException] = []
     prior = torch._dynamo.config.suppress_errors
-    with _torch_interop.later_frames_run_uncompiled_on_failure(None, errors):
+    with _torch_interop.later_frames_static_and_uncompiled_on_failure(None, errors):
         out = torch.compile(fn, backend=fails_after_the_first)(torch.ones(2))
     assert torch.equal(out, torch.full((2,), 5.0))
     assert len(errors) >= 1 and "backend broke" in str(errors[0])
@@ -411,10 +413,88 @@ def test_18_a_later_frame_that_fails_to_compile_runs_uncompiled(caplog: pytest.L
     compiled_frames.append(1)
     with (
         pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="backend broke"),
-        _torch_interop.later_frames_run_uncompiled_on_failure(None, errors),
+        _torch_interop.later_frames_static_and_uncompiled_on_failure(None, errors),
     ):
         torch.compile(fn, backend=fails_after_the_first)(torch.ones(2))
     assert torch._dynamo.config.suppress_errors is prior
+    torch._dynamo.reset()
+
+
+def test_18_later_frames_infer_no_dynamic_stride() -> None:
+    """See [Note: Later frames keep static strides]: a later frame (behind a graph break) seeing
+    one size in three layouts compiles each static; seeing new sizes, its sizes still go dynamic;
+    Dynamo's reading of strides is restored after."""
+    from torch._dynamo.pgo import FrameStateSizeEntry
+
+    original = FrameStateSizeEntry.is_stride_dynamic
+    seen: list[tuple[bool, bool, bool]] = []  # per compile: later frame, a stride symbolic, a size symbolic
+
+    def records(gm: torch.fx.GraphModule, example_inputs: list[object]) -> object:
+        tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
+        seen.append((
+            FrameStateSizeEntry.is_stride_dynamic is not original,
+            any(isinstance(d, torch.SymInt) for x in tensors for d in x.stride()),
+            any(isinstance(d, torch.SymInt) for x in tensors for d in x.shape)
+            or len(tensors) < len(example_inputs),
+        ))  # fmt: skip
+        return gm.forward
+
+    def helper(t: torch.Tensor) -> torch.Tensor:
+        torch._dynamo.graph_break()
+        return t * 3
+
+    def fn(t: torch.Tensor) -> torch.Tensor:
+        return helper(t) - 1
+
+    compiled = torch.compile(fn, backend=records)
+    errors: list[BaseException] = []
+    base = torch.ones(8, 12)
+    layouts = [base[:2, :2], base[::2, :2][:2], base[::3, :2][:2]]  # one size; row strides 12, 24, 36
+    for t in layouts:
+        with _torch_interop.later_frames_static_and_uncompiled_on_failure(None, errors):
+            assert torch.equal(compiled(t), torch.full((2, 2), 2.0))
+        assert FrameStateSizeEntry.is_stride_dynamic is original
+    later = [compile for compile in seen if compile[0]]
+    assert len(later) >= 3 and not any(stride for _, stride, _ in later), seen
+    assert not errors
+    sized_from = len(seen)
+    for n in (3, 4, 5):
+        with _torch_interop.later_frames_static_and_uncompiled_on_failure(None, errors):
+            assert torch.equal(compiled(base[:n, :2]), torch.full((n, 2), 2.0))
+    assert any(later and size for later, _, size in seen[sized_from:]), seen
+    assert not errors
+    torch._dynamo.reset()
+
+
+def test_18_a_context_is_entered_only_when_dynamo_compiles() -> None:
+    """See [Note: Compiles during a hit keep the backward options]: entered once at the first compile
+    start inside (two frames compile here), left at the end; a call that compiles nothing enters nothing."""
+    events: list[str] = []
+
+    @contextlib.contextmanager
+    def recorded() -> Iterator[None]:
+        events.append("enter")
+        yield
+        events.append("exit")
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[object]) -> object:
+        events.append("compile")
+        return gm.forward
+
+    def helper(t: torch.Tensor) -> torch.Tensor:
+        torch._dynamo.graph_break()
+        return t * 3
+
+    compiled = torch.compile(lambda t: helper(t + 1) - 1, backend=backend)
+    with _torch_interop.entered_when_dynamo_compiles(recorded):
+        assert torch.equal(compiled(torch.ones(2)), torch.full((2,), 5.0))
+        events.append("returned")
+    assert events[0] == "enter" and events.count("enter") == 1 and events.count("compile") >= 2
+    assert events[-2:] == ["returned", "exit"]
+    events.clear()
+    with _torch_interop.entered_when_dynamo_compiles(recorded):
+        assert torch.equal(compiled(torch.ones(2)), torch.full((2,), 5.0))
+    assert events == []
     torch._dynamo.reset()
 
 

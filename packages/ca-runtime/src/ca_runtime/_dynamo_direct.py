@@ -70,6 +70,39 @@ thread also sees ``suppress_errors`` on (Dynamo's config is process-wide);
 such a compile that fails runs its frame uncompiled and logs a warning,
 where it would have raised.
 
+[Note: Later frames keep static strides]
+Those later frames also infer no dynamic stride (sizes still go dynamic as
+Dynamo infers them: a hook on a batch-sized grad keeps one entry for all
+batch sizes). torch 2.13's automatic dynamic strides, which its own
+``FrameStateSizeEntry.is_stride_dynamic`` calls "a bit buggy", break on what
+a hook reads: a post-accumulate-grad hook reading ``p.grad``, whose layout
+changes between steps (``p.grad.set_(...)`` to a strided view), recompiles
+with a symbolic stride that Dynamo cannot guard (``IndexError`` in
+``produce_guards``; plain ``torch.compile`` of the hook raises it to the
+user), and with a warm Inductor cache the recompile instead ran code
+compiled for the old stride: Inductor's ``assert_size_stride`` raised from
+the middle of the backward. With static strides each layout a hook sees is
+one guarded entry. The reading is replaced on the class for the call
+(process-wide, as ``suppress_errors`` is): a compile on another thread
+meanwhile infers no dynamic stride either, which is never wrong.
+
+[Note: Compiles during a hit keep the backward options]
+The first run of a captured graph compiles inside backward_inductor_options
+(see [Note: Inductor options for backward graphs] in
+_backward_inductor_options.py). A hit that goes Dynamo's normal way can
+compile too: Dynamo recompiles the graph's frame when no entry's guards pass
+(a float in a hook's closure changed: an LR schedule in an optimizer step
+run by a post-accumulate-grad hook), or a frame behind a Dynamo graph break.
+Such a compile gets the same options: the options are not only for speed,
+one of them ([Note: An add's alpha beside an mm]) keeps Inductor from
+dropping an add's alpha, and a recompile without it moved each parameter
+by +grad instead of -lr * grad. Patching Inductor's config costs about
+25 us, more than many hits, so it is entered from Dynamo's compile start
+callback, only when a compile starts (entered_when_dynamo_compiles), and
+left when the call returns. A compiler_fn whose result is not a plain
+torch.compile of the graph is called as it is: its recompiles use whatever
+options it gives.
+
 [Note: A recompile that fails on a hit]
 On a cache hit Dynamo may recompile the graph (a guard failed: a hook's
 closure value changed, a size went dynamic). If that compile fails, the
@@ -110,6 +143,7 @@ from typing import Any
 
 import torch
 
+from ca_runtime._backward_inductor_options import backward_inductor_options
 from ca_runtime._counters import PYTHON_COUNTS
 from ca_runtime._graph_ops import USER_ERROR_TAG
 from ca_runtime._log import EagerFallbackWarning, describe_error, log, warn_at_user_line
@@ -120,9 +154,10 @@ from ca_runtime._torch_interop import (
     dynamo_cache_entries,
     dynamo_recompile_limit,
     dynamo_wrappers_inert,
+    entered_when_dynamo_compiles,
     failed_compile_frame_id,
     is_plain_torch_compile_of,
-    later_frames_run_uncompiled_on_failure,
+    later_frames_static_and_uncompiled_on_failure,
     optimized_module_backend,
     profiler_enabled,
 )
@@ -386,17 +421,21 @@ class DirectDynamoCall:
         """The OptimizedModule called as Dynamo calls it; see the Notes above for its failures."""
         if self._recompile_failed:
             return self._run_uncompiled(inputs, sizes, scalars, hooks)
-        # See [Note: A later frame that fails to compile].
+        # See [Note: A later frame that fails to compile] and [Note: Later frames keep static strides].
         later_failures: list[BaseException] = []
         if not self._ran_once:
-            with later_frames_run_uncompiled_on_failure(None, later_failures):
+            with later_frames_static_and_uncompiled_on_failure(None, later_failures):
                 outputs = self.compiled(inputs, sizes, scalars, hooks)
             self._ran_once = True
             self._frame_id = compiled_frame_id(self._code)
             self._warn_later_failures(later_failures)
             return outputs
         try:
-            with later_frames_run_uncompiled_on_failure(self._frame_id, later_failures):
+            # See [Note: Compiles during a hit keep the backward options].
+            with (
+                entered_when_dynamo_compiles(backward_inductor_options),
+                later_frames_static_and_uncompiled_on_failure(self._frame_id, later_failures),
+            ):
                 outputs = self.compiled(inputs, sizes, scalars, hooks)
             self._warn_later_failures(later_failures)
             return outputs

@@ -47,8 +47,8 @@ from ca_runtime._torch_interop import InductorReuseCandidate, install_inductor_r
 # It applies while a graph of ours compiles with allow_buffer_reuse ours to
 # set and post_grad_custom_post_pass ours (so that Inductor's cache keys the
 # code by our pass's uuid, which hashes this file too); see
-# _backward_inductor_options in _runtime.py. The flag is a context variable:
-# a background compile runs in a copy of the capture's context.
+# _backward_inductor_options.py. The flag is a context variable: a
+# background compile runs in a copy of the capture's context.
 
 #: Whether the Inductor compile under way on this context is one of our backward graphs with reuse ours to set.
 _KEEP_PEAK: contextvars.ContextVar[bool] = contextvars.ContextVar("ca_keep_peak_buffer_reuse", default=False)

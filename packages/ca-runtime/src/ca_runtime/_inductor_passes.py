@@ -1,4 +1,4 @@
-"""Inductor graph passes for captured backward graphs; set through BACKWARD_INDUCTOR_OPTIONS (_runtime.py)."""
+"""Inductor graph passes for captured backward graphs; set by _backward_inductor_options.py."""
 
 from __future__ import annotations
 

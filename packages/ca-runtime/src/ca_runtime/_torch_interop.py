@@ -79,11 +79,14 @@ Used through this module:
      cache entries: which frame's compile failed; see [Note: A recompile
      that fails on a hit] in _dynamo_direct.py.
   18. ``torch._dynamo.config.suppress_errors``, read by Dynamo's
-     ``ConvertFrame`` when a compile fails, ``CompileContext.current_compile_id()``
-     in a compile start callback (item 7), and the ``torch._dynamo.convert_frame``
-     logger's record of a suppressed error: a frame after the graph's own
-     that fails to compile runs uncompiled; see [Note: A later frame that
-     fails to compile] in _dynamo_direct.py.
+     ``ConvertFrame`` when a compile fails, ``torch._dynamo.pgo.FrameStateSizeEntry.is_stride_dynamic``
+     (automatic dynamic's one reading of a stride, replaced for the call),
+     ``CompileContext.current_compile_id()`` in a compile start callback
+     (item 7), and the ``torch._dynamo.convert_frame`` logger's record of a
+     suppressed error: a frame after the graph's own keeps static strides
+     and, when it fails to compile, runs uncompiled; see [Note: A later
+     frame that fails to compile] and [Note: Later frames keep static
+     strides] in _dynamo_direct.py.
   19. ``torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)``
      and ``torch._subclasses.FakeTensor``: whether a node's apply runs while
      Dynamo or AOTAutograd trace (``on_fake_tensors``); see [Note: User
@@ -216,8 +219,10 @@ import torch.utils.checkpoint
 from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list, get_eval_frame_callback
 from torch._dynamo import eval_frame as _eval_frame
 from torch._dynamo import maybe_mark_dynamic
+from torch._dynamo.callback import callback_handler as _callback_handler
 from torch._dynamo.external_utils import FakeBackwardCFunction
 from torch._dynamo.mutation_guard import GenerationTracker
+from torch._dynamo.pgo import FrameStateSizeEntry
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 from torch.fx._symbolic_trace import is_fx_symbolic_tracing
 from torch.nn.modules.module import _has_any_global_hook
@@ -247,6 +252,7 @@ __all__ = [
     "dynamo_recompile_limit",
     "dynamo_skips",
     "dynamo_wrappers_inert",
+    "entered_when_dynamo_compiles",
     "excluded_dispatch_keys",
     "failed_compile_frame_id",
     "forget_metric_stacks",
@@ -260,7 +266,7 @@ __all__ = [
     "is_generated_vmap_rule",
     "is_plain_torch_compile_of",
     "keep_hook_across_torch_disable",
-    "later_frames_run_uncompiled_on_failure",
+    "later_frames_static_and_uncompiled_on_failure",
     "maybe_mark_dynamic",
     "on_fake_tensors",
     "optimized_module_backend",
@@ -517,8 +523,6 @@ def _flatten_stolen_list_without_pytree() -> None:
 @contextlib.contextmanager
 def warnings_ignored_while_dynamo_compiles() -> Iterator[None]:
     """7. Inside: warnings raised while Dynamo compiles are dropped; see [Note: Warnings while Dynamo traces]."""
-    from torch._dynamo.callback import callback_handler
-
     # A fresh tuple, removed by identity: a user's own equal filter stays.
     ignore_all = ("ignore", None, Warning, None, 0)
 
@@ -533,13 +537,13 @@ def warnings_ignored_while_dynamo_compiles() -> Iterator[None]:
                 del filters[i]
                 return
 
-    callback_handler.register_start_callback(start)
-    callback_handler.register_end_callback(end)
+    _callback_handler.register_start_callback(start)
+    _callback_handler.register_end_callback(end)
     try:
         yield
     finally:
-        callback_handler.remove_start_callback(start)
-        callback_handler.remove_end_callback(end)
+        _callback_handler.remove_start_callback(start)
+        _callback_handler.remove_end_callback(end)
         end(None)
 
 
@@ -558,6 +562,11 @@ class _SuppressedCompileErrors(logging.Filter):
         return True
 
 
+def _no_stride_is_dynamic(self: Any, dim: int) -> bool:
+    """18. ``FrameStateSizeEntry.is_stride_dynamic`` while later frames compile: no stride is inferred dynamic."""
+    return False
+
+
 def is_generated_vmap_rule(forward_cls: type) -> bool:
     """20. Whether ``forward_cls`` is the Function class ``torch.func.vmap`` generated for ``generate_vmap_rule=True``."""
     forward = getattr(forward_cls, "forward", None)
@@ -572,19 +581,20 @@ def on_fake_tensors(tensors: Iterable[torch.Tensor | None]) -> bool:
 
 
 @contextlib.contextmanager
-def later_frames_run_uncompiled_on_failure(
+def later_frames_static_and_uncompiled_on_failure(
     own_frame_id: int | None, errors: list[BaseException]
 ) -> Iterator[None]:
     """18. Inside, on this thread: once Dynamo compiles a frame other than ``own_frame_id``
-    (the first frame compiled inside, when None), a compile that fails runs its
-    frame uncompiled, its error appended to ``errors``.
+    (the first frame compiled inside, when None), that compile and later ones
+    infer no dynamic stride (sizes go dynamic as Dynamo infers them), and a
+    compile that fails runs its frame uncompiled, its error appended to
+    ``errors``.
 
-    See [Note: A later frame that fails to compile] in _dynamo_direct.py.
+    See [Note: A later frame that fails to compile] and [Note: Later frames
+    keep static strides] in _dynamo_direct.py.
     Dynamo reads ``suppress_errors`` after the failed compile's end callbacks
     ran, so it stays set from that compile's start to the context's end.
     """
-    from torch._dynamo.callback import callback_handler
-
     # The callback reads nothing through a global torch module: a callback
     # runs as a Python frame, and where Dynamo's frame callback is on (a lazy
     # AOTAutograd backward compiled inside a hook), a frame whose code names
@@ -595,7 +605,9 @@ def later_frames_run_uncompiled_on_failure(
     own = [own_frame_id]
     config: Any = torch._dynamo.config
     logger = logging.getLogger("torch._dynamo.convert_frame")
-    suppressing: list[tuple[bool, _SuppressedCompileErrors]] = []
+    frame_state_entry: Any = FrameStateSizeEntry
+    no_stride_is_dynamic = _no_stride_is_dynamic
+    suppressing: list[tuple[bool, Callable[..., bool], _SuppressedCompileErrors]] = []
 
     def start(args: Any) -> None:
         if get_thread() != thread or suppressing:
@@ -607,18 +619,63 @@ def later_frames_run_uncompiled_on_failure(
         if frame_id == own[0]:
             return
         log_filter = _SuppressedCompileErrors(errors)
-        suppressing.append((config.suppress_errors, log_filter))
+        suppressing.append((config.suppress_errors, frame_state_entry.is_stride_dynamic, log_filter))
         config.suppress_errors = True
+        # See [Note: Later frames keep static strides].
+        frame_state_entry.is_stride_dynamic = no_stride_is_dynamic
         logger.addFilter(log_filter)
 
-    callback_handler.register_start_callback(start)
+    _callback_handler.register_start_callback(start)
     try:
         yield
     finally:
-        callback_handler.remove_start_callback(start)
-        for prior, log_filter in suppressing:
-            config.suppress_errors = prior
+        _callback_handler.remove_start_callback(start)
+        for prior_suppress, prior_is_stride_dynamic, log_filter in suppressing:
+            config.suppress_errors = prior_suppress
+            frame_state_entry.is_stride_dynamic = prior_is_stride_dynamic
             logger.removeFilter(log_filter)
+
+
+@torch._dynamo.disable
+def _enter_outside_dynamo(
+    stack: contextlib.ExitStack, make_context: Callable[[], contextlib.AbstractContextManager[Any]]
+) -> None:
+    """18. ``make_context()`` entered on ``stack``, with Dynamo's frame callback off; see entered_when_dynamo_compiles."""
+    stack.enter_context(make_context())
+
+
+@contextlib.contextmanager
+def entered_when_dynamo_compiles(
+    make_context: Callable[[], contextlib.AbstractContextManager[Any]],
+) -> Iterator[None]:
+    """18. Inside, on this thread: when Dynamo starts a compile, ``make_context()`` is entered, once, until the end.
+
+    From a compile start callback (item 7), as Dynamo's compile begins and
+    before it reads any option; nothing is entered where nothing compiles.
+    ``make_context`` runs under ``torch._dynamo.disable``: a start callback
+    can run while Dynamo's frame callback is on (see
+    later_frames_static_and_uncompiled_on_failure). See [Note: Compiles
+    during a hit keep the backward options] in _dynamo_direct.py.
+    """
+    get_thread = threading.get_ident
+    thread = get_thread()
+    make_stack = contextlib.ExitStack
+    entered: list[contextlib.ExitStack] = []
+    enter = _enter_outside_dynamo
+
+    def start(args: Any) -> None:
+        if get_thread() != thread or entered:
+            return
+        entered.append(make_stack())
+        enter(entered[0], make_context)
+
+    _callback_handler.register_start_callback(start)
+    try:
+        yield
+    finally:
+        _callback_handler.remove_start_callback(start)
+        if entered:
+            entered[0].close()
 
 
 def dynamo_skips(hook: object) -> bool:
