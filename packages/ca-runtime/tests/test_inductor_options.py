@@ -161,14 +161,18 @@ def test_an_sgd_step_with_alpha_in_a_post_accumulate_grad_hook_moves_the_weight_
     assert result.stats["eager_fallbacks"] == 0 and result.stats["uncompiled_runs"] == 0, result.stats
 
 
-def test_a_compile_during_a_hit_gets_the_options() -> None:
+@pytest.mark.parametrize("graph_break", [False, True], ids=["whole", "behind_a_graph_break"])
+def test_a_compile_during_a_hit_gets_the_options(graph_break: bool) -> None:
     """See [Note: Compiles during a hit keep the backward options]: a hook's closure float changes, Dynamo
-    recompiles the graph during the hit, with the same options as the first compile; a hit that compiles
-    nothing leaves Inductor's config as it was."""
+    recompiles during the hit (the graph's frame, or behind a retain_grad graph break the frame that
+    continues it), with the same options as the first compile; a hit that compiles nothing leaves
+    Inductor's config as it was."""
     model = make_mlp()
     seen: list[dict[str, Any]] = []
     scale = [2.0]
     step = mlp_step(model)
+    if graph_break:
+        model[0].register_forward_hook(lambda module, args, out: out.retain_grad())
 
     def scaled_step(i: int) -> Any:
         scale[0] = 2.0 if i < 2 else 3.0
@@ -182,7 +186,9 @@ def test_a_compile_during_a_hit_gets_the_options() -> None:
     result.assert_ok()
     assert result.stats["captures"] == 1 and result.stats["cache_hits"] == 3, result.stats
     assert result.stats["eager_fallbacks"] == 0 and result.stats["uncompiled_runs"] == 0, result.stats
-    assert seen == [BACKWARD_INDUCTOR_OPTIONS, BACKWARD_INDUCTOR_OPTIONS]
+    assert result.stats["graph_breaks"] == (1 if graph_break else 0), result.stats
+    first_run = 2 if graph_break else 1  # the graph's frame, and the one after the graph break
+    assert len(seen) > first_run and all(options == BACKWARD_INDUCTOR_OPTIONS for options in seen), seen
     assert torch._inductor.config.reorder_for_locality is True
     assert torch._inductor.config._is_default("reorder_for_locality")
 
