@@ -6,6 +6,7 @@ import pytest
 
 pytest.importorskip("hypothesis", reason="the fuzzer needs hypothesis (ca-testkit[fuzz])")
 
+import torch
 from ca_testkit import fuzz
 
 
@@ -105,6 +106,7 @@ def test_the_combined_mode_draws_each_feature() -> None:
     assert any(p.batched for p in drawn) and not any(p.batched and p.double for p in drawn)
     assert any(p.third_order for p in drawn) and all(p.double for p in drawn if p.third_order)
     assert any(step.hook in fuzz.COMBINED_HOOKS for p in drawn for step in p.steps)
+    assert any(step.hook in fuzz.SCALING_HOOKS for p in drawn for step in p.steps)
     assert any(v.registers_hooks for p in drawn for v in p.variants)
 
 
@@ -128,6 +130,28 @@ def test_a_hook_that_registers_a_later_hook_only_in_a_later_variant(impl: str) -
     assert result.ok, result.report()
     assert result.stats["captures"] == 0 and result.stats["cache_hits"] == 0
     assert result.stats["deferred_captures"] >= 1 and result.stats["eager_fallbacks"] >= 1
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_a_hook_reading_the_variants_scalar_is_recompiled_during_a_hit(backend: str) -> None:
+    """A scale_by_scalar hook on a linear op's input: its alpha is the variant's scalar, read from its closure,
+    so each new scalar makes Dynamo recompile the graph during a cache hit, and the grad it scales is the
+    linear's input-grad mm (issue 36: with inductor such a recompile lost the backward options, and
+    Inductor's add-of-an-mm pattern the add's alpha)."""
+    program = fuzz.Program(
+        (True,),
+        (fuzz.Step("sin", (0,), "scale_by_scalar"), fuzz.Step("linear", (1,))),
+        (2,),
+        variants=(fuzz.Variant(), fuzz.Variant(scalar=-1.5), fuzz.Variant(scalar=0.5)),
+    )
+    _, log = fuzz.run_program(program, 1)
+    assert "h0 (3, 4)" in log, log
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    result = fuzz.check_program(program, backend)
+    assert result.ok, result.report()
+    assert result.stats["captures"] == 1 and result.stats["cache_hits"] == 2, result.stats
+    # The first compile and a recompile during a hit (after which Dynamo may make the float dynamic).
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before >= 2
 
 
 @pytest.mark.parametrize("op", ["checkpoint", "function", "setup_function", "linear"])

@@ -205,6 +205,13 @@ HOOKS: tuple[str, ...] = ("double", "observe", "pre_half", "post_observe")
 #: whose node runs later in the same backward (eager calls it there).
 COMBINED_HOOKS: tuple[str, ...] = ("register_on_operand",)
 
+#: Hooks only the combined mode draws that read the variant's scalar from
+#: their closure, as an add's alpha (``grad.add(grad, alpha=s - 1)``, which is
+#: ``grad * s``): a variant with another scalar makes Dynamo recompile the
+#: graph during a cache hit, where the add may meet an mm (ca_runtime's
+#: [Note: Compiles during a hit keep the backward options]).
+SCALING_HOOKS: tuple[str, ...] = ("scale_by_scalar",)
+
 #: Values a variant draws from; the first is the default that shrinking goes to.
 ROWS: tuple[int, ...] = (3, 0, 1, 5)
 SCALARS: tuple[float, ...] = (2.5, -1.5, 0.5, 1.0)
@@ -384,7 +391,8 @@ def run_program(
             out = ALL_OPS[step.op].fn(*(pool[j] for j in step.args), weight, lin, variant.scalar)
             if variant.hooks and step.hook and out.grad_fn is not None:
                 operand = pool[step.args[0]]
-                _attach_hook(out, step.hook, f"h{k}", log, operand if variant.registers_hooks else None)
+                register_on = operand if variant.registers_hooks else None
+                _attach_hook(out, step.hook, f"h{k}", log, register_on, variant.scalar)
             pool.append(out)
     if variant.hooks and program.multi_hook:
         watched = [pool[i] for i in program.multi_hook if pool[i].requires_grad]
@@ -469,10 +477,23 @@ def _batched_grad(
 
 
 def _attach_hook(
-    out: torch.Tensor, kind: str, name: str, log: list[str], register_on: torch.Tensor | None = None
+    out: torch.Tensor,
+    kind: str,
+    name: str,
+    log: list[str],
+    register_on: torch.Tensor | None = None,
+    scalar: float = 1.0,
 ) -> None:
     if kind in ("double", "observe"):
         out.register_hook(_logging_hook(log, name, 2.0 if kind == "double" else None))
+    elif kind == "scale_by_scalar":
+        alpha = scalar - 1.0
+
+        def scaling(grad: torch.Tensor) -> torch.Tensor:
+            log.append(f"{name} {tuple(grad.shape)}")
+            return grad.add(grad, alpha=alpha)
+
+        out.register_hook(scaling)
     elif kind == "register_on_operand":
 
         def registering(grad: torch.Tensor) -> None:
@@ -545,7 +566,8 @@ def programs(max_steps: int = 8, max_variants: int = 4, combined: bool = False) 
             pool_size = n_leaves + k
             name = draw(st.sampled_from(sorted(ALL_OPS if combined else OPS)))
             args = tuple(draw(st.integers(0, pool_size - 1)) for _ in range(ALL_OPS[name].arity))
-            hook = draw(st.sampled_from([None, None, None, *HOOKS, *(COMBINED_HOOKS if combined else ())]))
+            drawn_hooks = [*HOOKS, *(COMBINED_HOOKS + SCALING_HOOKS if combined else ())]
+            hook = draw(st.sampled_from([None, None, None, *drawn_hooks]))
             steps.append(Step(name, args, hook))
         total = n_leaves + len(steps)
         roots = tuple(sorted(draw(st.sets(st.integers(n_leaves, total - 1), min_size=1, max_size=2))))
