@@ -65,10 +65,9 @@ backward's results are those of the graph's own ops. Dynamo's log record of
 the error is taken off its log, and one ``EagerFallbackWarning`` per graph
 names it. The graph's own frame is never suppressed: its failure is the
 first run's (the backward runs eagerly, before any hook ran) or [Note: A
-recompile that fails on a hit]'s. While the call runs, a compile on another
-thread also sees ``suppress_errors`` on (Dynamo's config is process-wide);
-such a compile that fails runs its frame uncompiled and logs a warning,
-where it would have raised.
+recompile that fails on a hit]'s. Dynamo's config is a context variable per
+option in torch 2.13 (``user_override``), so a compile on another thread
+does not see ``suppress_errors`` set here.
 
 [Note: Later frames keep static strides]
 Those later frames also infer no dynamic stride (sizes still go dynamic as
@@ -82,8 +81,8 @@ with a symbolic stride that Dynamo cannot guard (``IndexError`` in
 user), and with a warm Inductor cache the recompile instead ran code
 compiled for the old stride: Inductor's ``assert_size_stride`` raised from
 the middle of the backward. With static strides each layout a hook sees is
-one guarded entry. The reading is replaced on the class for the call
-(process-wide, as ``suppress_errors`` is): a compile on another thread
+one guarded entry. The reading is replaced on the class for the call, which
+is process-wide (unlike ``suppress_errors``): a compile on another thread
 meanwhile infers no dynamic stride either, which is never wrong.
 
 [Note: Compiles during a hit keep the backward options]
