@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import threading
 import warnings
 import weakref
 from collections.abc import Iterator
@@ -423,16 +424,22 @@ def test_18_a_later_frame_that_fails_to_compile_runs_uncompiled(caplog: pytest.L
 def test_18_later_frames_infer_no_dynamic_stride() -> None:
     """See [Note: Later frames keep static strides]: a later frame (behind a graph break) seeing
     one size in three layouts compiles each static; seeing new sizes, its sizes still go dynamic;
-    Dynamo's reading of strides is restored after."""
-    from torch._dynamo.pgo import FrameStateSizeEntry
+    Dynamo's reading of strides is restored after, and another thread meanwhile gets torch's answer."""
+    from torch._dynamo.pgo import FrameStateSizeEntry, auto_dynamic, auto_unset
 
-    original = FrameStateSizeEntry.is_stride_dynamic
+    wobbling = FrameStateSizeEntry(scalar=auto_unset, size=(2, 2), stride=auto_dynamic)
     seen: list[tuple[bool, bool, bool]] = []  # per compile: later frame, a stride symbolic, a size symbolic
+    elsewhere: list[bool] = []  # per later compile: another thread's reading of a wobbling stride
 
     def records(gm: torch.fx.GraphModule, example_inputs: list[object]) -> object:
         tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
+        static_here = _torch_interop._STATIC_STRIDES.get()
+        if static_here:
+            other = threading.Thread(target=lambda: elsewhere.append(wobbling.is_stride_dynamic(0)))
+            other.start()
+            other.join()
         seen.append((
-            FrameStateSizeEntry.is_stride_dynamic is not original,
+            static_here,
             any(isinstance(d, torch.SymInt) for x in tensors for d in x.stride()),
             any(isinstance(d, torch.SymInt) for x in tensors for d in x.shape)
             or len(tensors) < len(example_inputs),
@@ -453,9 +460,10 @@ def test_18_later_frames_infer_no_dynamic_stride() -> None:
     for t in layouts:
         with _torch_interop.later_frames_static_and_uncompiled_on_failure(None, errors):
             assert torch.equal(compiled(t), torch.full((2, 2), 2.0))
-        assert FrameStateSizeEntry.is_stride_dynamic is original
+        assert not _torch_interop._STATIC_STRIDES.get() and wobbling.is_stride_dynamic(0)
     later = [compile for compile in seen if compile[0]]
     assert len(later) >= 3 and not any(stride for _, stride, _ in later), seen
+    assert elsewhere == [True] * len(later)
     assert not errors
     sized_from = len(seen)
     for n in (3, 4, 5):

@@ -81,9 +81,11 @@ with a symbolic stride that Dynamo cannot guard (``IndexError`` in
 user), and with a warm Inductor cache the recompile instead ran code
 compiled for the old stride: Inductor's ``assert_size_stride`` raised from
 the middle of the backward. With static strides each layout a hook sees is
-one guarded entry. The reading is replaced on the class for the call, which
-is process-wide (unlike ``suppress_errors``): a compile on another thread
-meanwhile infers no dynamic stride either, which is never wrong.
+one guarded entry. torch's reading is wrapped on the class (installed once,
+at the first such compile) by one that answers False where a per-thread
+flag is set for the call, as ``suppress_errors`` is set: swapping the
+method for the call instead left it swapped for good when two threads'
+calls overlapped.
 
 [Note: Compiles during a hit keep the backward options]
 The first run of a captured graph compiles inside backward_inductor_options

@@ -80,7 +80,8 @@ Used through this module:
      that fails on a hit] in _dynamo_direct.py.
   18. ``torch._dynamo.config.suppress_errors``, read by Dynamo's
      ``ConvertFrame`` when a compile fails, ``torch._dynamo.pgo.FrameStateSizeEntry.is_stride_dynamic``
-     (automatic dynamic's one reading of a stride, replaced for the call),
+     (automatic dynamic's one reading of a stride, wrapped by ours, which
+     answers False on a thread that asks for static strides),
      ``CompileContext.current_compile_id()`` in a compile start callback
      (item 7), and the ``torch._dynamo.convert_frame`` logger's record of a
      suppressed error: a frame after the graph's own keeps static strides
@@ -202,6 +203,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import contextvars
 import dataclasses
 import functools
 import linecache
@@ -562,9 +564,24 @@ class _SuppressedCompileErrors(logging.Filter):
         return True
 
 
-def _no_stride_is_dynamic(self: Any, dim: int) -> bool:
-    """18. ``FrameStateSizeEntry.is_stride_dynamic`` while later frames compile: no stride is inferred dynamic."""
-    return False
+#: 18. Whether compiles on this thread infer no dynamic stride; see _is_stride_dynamic_here.
+_STATIC_STRIDES: contextvars.ContextVar[bool] = contextvars.ContextVar("ca_static_strides", default=False)
+#: torch's own FrameStateSizeEntry.is_stride_dynamic.
+_TORCH_IS_STRIDE_DYNAMIC: Callable[[Any, int], bool] = FrameStateSizeEntry.is_stride_dynamic
+
+
+def _is_stride_dynamic_here(self: Any, dim: int) -> bool:
+    """18. ``FrameStateSizeEntry.is_stride_dynamic`` once installed: torch's answer, or False where _STATIC_STRIDES is set.
+
+    Installed on the class the first time a later frame compiles and left
+    there: a flag per thread (context variable, as Dynamo's own config), not
+    a class attribute swapped for a call, which two threads' calls
+    overlapping would leave swapped for good. See [Note: Later frames keep
+    static strides] in _dynamo_direct.py.
+    """
+    if _STATIC_STRIDES.get():
+        return False
+    return _TORCH_IS_STRIDE_DYNAMIC(self, dim)
 
 
 def is_generated_vmap_rule(forward_cls: type) -> bool:
@@ -606,8 +623,9 @@ def later_frames_static_and_uncompiled_on_failure(
     config: Any = torch._dynamo.config
     logger = logging.getLogger("torch._dynamo.convert_frame")
     frame_state_entry: Any = FrameStateSizeEntry
-    no_stride_is_dynamic = _no_stride_is_dynamic
-    suppressing: list[tuple[bool, Callable[..., bool], _SuppressedCompileErrors]] = []
+    is_stride_dynamic_here = _is_stride_dynamic_here
+    static_strides = _STATIC_STRIDES
+    suppressing: list[tuple[bool, bool, _SuppressedCompileErrors]] = []
 
     def start(args: Any) -> None:
         if get_thread() != thread or suppressing:
@@ -619,10 +637,12 @@ def later_frames_static_and_uncompiled_on_failure(
         if frame_id == own[0]:
             return
         log_filter = _SuppressedCompileErrors(errors)
-        suppressing.append((config.suppress_errors, frame_state_entry.is_stride_dynamic, log_filter))
+        suppressing.append((config.suppress_errors, static_strides.get(), log_filter))
         config.suppress_errors = True
         # See [Note: Later frames keep static strides].
-        frame_state_entry.is_stride_dynamic = no_stride_is_dynamic
+        if frame_state_entry.is_stride_dynamic is not is_stride_dynamic_here:
+            frame_state_entry.is_stride_dynamic = is_stride_dynamic_here
+        static_strides.set(True)
         logger.addFilter(log_filter)
 
     _callback_handler.register_start_callback(start)
@@ -630,9 +650,9 @@ def later_frames_static_and_uncompiled_on_failure(
         yield
     finally:
         _callback_handler.remove_start_callback(start)
-        for prior_suppress, prior_is_stride_dynamic, log_filter in suppressing:
+        for prior_suppress, prior_static_strides, log_filter in suppressing:
             config.suppress_errors = prior_suppress
-            frame_state_entry.is_stride_dynamic = prior_is_stride_dynamic
+            static_strides.set(prior_static_strides)
             logger.removeFilter(log_filter)
 
 
