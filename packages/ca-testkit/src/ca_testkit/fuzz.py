@@ -28,7 +28,9 @@ mismatch), or under ``save_on_cpu``, or both, a
 tensors, a custom Function written with ``setup_context`` and
 ``once_differentiable``, a tensor hook that registers a hook on its step's
 first operand in the variants that say so (eager calls it later in the same
-backward; ca runs such graphs eagerly), and a double backward (``autograd.grad`` with
+backward; ca runs such graphs eagerly), a tensor hook that scales its grad by
+the variant's scalar as an add's alpha (a new scalar recompiles the graph
+during a cache hit), and a double backward (``autograd.grad`` with
 ``create_graph=True``, then a backward of the grads' sum; or a third
 derivative, the grads differentiated with ``create_graph=True`` once more
 before that backward) or a batched grad
@@ -203,7 +205,7 @@ HOOKS: tuple[str, ...] = ("double", "observe", "pre_half", "post_observe")
 #: Hooks only the combined mode draws: a tensor hook that, in a variant with
 #: ``registers_hooks``, registers a tensor hook on the step's first operand,
 #: whose node runs later in the same backward (eager calls it there).
-COMBINED_HOOKS: tuple[str, ...] = ("register_on_operand",)
+REGISTERING_HOOKS: tuple[str, ...] = ("register_on_operand",)
 
 #: Hooks only the combined mode draws that read the variant's scalar from
 #: their closure, as an add's alpha (``grad.add(grad, alpha=s - 1)``, which is
@@ -566,7 +568,7 @@ def programs(max_steps: int = 8, max_variants: int = 4, combined: bool = False) 
             pool_size = n_leaves + k
             name = draw(st.sampled_from(sorted(ALL_OPS if combined else OPS)))
             args = tuple(draw(st.integers(0, pool_size - 1)) for _ in range(ALL_OPS[name].arity))
-            drawn_hooks = [*HOOKS, *(COMBINED_HOOKS + SCALING_HOOKS if combined else ())]
+            drawn_hooks = [*HOOKS, *(REGISTERING_HOOKS + SCALING_HOOKS if combined else ())]
             hook = draw(st.sampled_from([None, None, None, *drawn_hooks]))
             steps.append(Step(name, args, hook))
         total = n_leaves + len(steps)
@@ -654,7 +656,7 @@ def check_program(
     from ca_testkit.compare import TensorDiff, compare
 
     backward = any(_runs_a_backward(program, i) for i in range(len(program.variants)))
-    registering = any(step.hook in COMBINED_HOOKS for step in program.steps)
+    registering = any(step.hook in REGISTERING_HOOKS for step in program.steps)
     runs = RUNS_PER_VARIANT.get(impl, 1)
     steps = len(program.variants) * runs
 
@@ -701,7 +703,7 @@ def check_program(
 
 def _registering_hook_runs(program: Program) -> bool:
     """Whether some variant's backward calls a ``register_on_operand`` hook (its log names it)."""
-    names = {f"h{k}" for k, step in enumerate(program.steps) if step.hook in COMBINED_HOOKS}
+    names = {f"h{k}" for k, step in enumerate(program.steps) if step.hook in REGISTERING_HOOKS}
     for index, variant in enumerate(program.variants):
         if not variant.hooks or not _runs_a_backward(program, index):
             continue
